@@ -1,0 +1,3 @@
+from engine._compat import ensure_torch_companions
+
+ensure_torch_companions()

@@ -1,0 +1,170 @@
+"""The one interface the gateway sees.
+
+Two levels:
+
+* ``CodeEngine``: text -> ChatTTS code frames (4 codes per GPT step). Backends:
+  ``vllm`` (ChatTTS GPT inside stock vLLM, ``engine/vllm/``) and ``reference``
+  (upstream ``chattts`` in-process, the oracle and the "native pipeline" baseline).
+* ``SpeechEngine``: text -> PCM audio chunks. ``ChatTTSSpeech`` is a CodeEngine plus the
+  streaming decoder (``engine/decoder.py``); ``EspeakSpeech`` is the offline fallback.
+
+No WebSocket concept crosses this module. Pure data + protocols: no torch, no asyncio I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+#: Audio rate of ChatTTS (Vocos) output.
+NATIVE_SAMPLE_RATE_HZ = 24_000
+#: Samples of audio per GPT step (2 mel frames x hop 256).
+SAMPLES_PER_STEP = 512
+#: Number of codebooks: ChatTTS samples 4 codes per step.
+NUM_CODEBOOKS = 4
+#: Codes per codebook (625 real FSQ codes + EOS).
+NUM_AUDIO_TOKENS = 626
+#: The code that ends an utterance when sampled in any codebook.
+AUDIO_EOS = NUM_AUDIO_TOKENS - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """ChatTTS sampling parameters for one request (upstream ``InferCodeParams`` meaning)."""
+
+    temperature: float = 0.3
+    """Softmax temperature; 0 means greedy (argmax) decoding."""
+    top_p: float = 0.7
+    """Nucleus sampling mass kept per codebook."""
+    top_k: int = 20
+    """Top-k kept per codebook."""
+    repetition_penalty: float = 1.05
+    """Penalty base applied per occurrence of a code in the last ``repetition_window`` frames."""
+    repetition_window: int = 16
+    """Frames looked back by the repetition penalty."""
+    min_new_tokens: int = 0
+    """EOS is blocked before this many steps."""
+    max_new_tokens: int = 2048
+    """Hard cap on steps per request (2048 steps = 43.7 s of audio)."""
+    seed: int | None = None
+    """Per-request sampling seed (reproducible runs); ``None`` is random."""
+    ignore_eos: bool = False
+    """Never stop at EOS: run exactly ``max_new_tokens`` steps (tests, benchmarks)."""
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    """One segment of text to speak."""
+
+    request_id: str
+    """Unique id; used for abort."""
+    text: str
+    """Text to speak (already segmented by the gateway)."""
+    speaker: str | int | None = None
+    """Speaker: an int seed (random voice from the speaker statistics), an upstream-encoded
+    embedding string (lzma + base16384, as ``Chat.sample_random_speaker`` returns), or None
+    for the engine's default voice."""
+    params: SamplingParams = field(default_factory=SamplingParams)
+    """Sampling parameters."""
+    priority: int = 0
+    """Scheduling priority: lower runs first (vLLM ``scheduling_policy="priority"``)."""
+    sample_rate_hz: int = NATIVE_SAMPLE_RATE_HZ
+    """Sample rate wanted for audio (SpeechEngine only): 8000, 16000, 24000 or 48000."""
+
+
+@dataclass(frozen=True)
+class CodeFrames:
+    """Code frames sampled for one request since the last yield."""
+
+    request_id: str
+    codes: np.ndarray
+    """int64 array ``[n, NUM_CODEBOOKS]``; EOS frames are never included."""
+    hidden: np.ndarray | None = None
+    """float32 ``[n, hidden]``: the GPT's last hidden state per step, when the backend
+    hands it out (for the ``Decoder`` vocoding path); else None."""
+    finished: bool = False
+    """True on the last yield of the request."""
+    finish_reason: str | None = None
+    """"eos", "length" or "abort" once finished."""
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    """PCM16 mono audio produced for one request since the last yield."""
+
+    request_id: str
+    pcm: bytes
+    """Little-endian int16 mono samples at ``sample_rate_hz``."""
+    sample_rate_hz: int
+    finished: bool = False
+    """True on the last yield of the request (``pcm`` may be empty)."""
+    steps: int = 0
+    """GPT steps behind this chunk (0 for non-ChatTTS engines)."""
+
+
+class EngineErrorKind(enum.Enum):
+    RECOVERABLE = "recoverable"
+    """This request failed; the engine still serves others."""
+    UNRECOVERABLE = "unrecoverable"
+    """The engine is dead (e.g. engine-core process crashed); it must restart."""
+
+
+class EngineError(Exception):
+    """Raised from ``generate``/``synthesize`` iterators. Message is for logs, never clients."""
+
+    def __init__(self, message: str, kind: EngineErrorKind = EngineErrorKind.RECOVERABLE):
+        super().__init__(message)
+        self.kind = kind
+
+
+class EngineOverloaded(EngineError):
+    """Admission refused: the engine cannot start this request within its targets."""
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    name: str
+    """Engine name, e.g. "chattts-vllm", "chattts-reference", "espeak"."""
+    healthy: bool
+    running_requests: int
+    """Requests currently inside the engine (must return to 0 after aborts)."""
+    detail: str = ""
+
+
+@runtime_checkable
+class CodeEngine(Protocol):
+    """Text -> ChatTTS code frames."""
+
+    name: str
+
+    async def start(self) -> None: ...
+
+    def generate(self, request: SpeechRequest) -> AsyncIterator[CodeFrames]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def health(self) -> EngineHealth: ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class SpeechEngine(Protocol):
+    """Text -> PCM audio chunks. What the gateway uses."""
+
+    name: str
+    native_sample_rate_hz: int
+
+    async def start(self) -> None: ...
+
+    def synthesize(self, request: SpeechRequest) -> AsyncIterator[AudioChunk]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def health(self) -> EngineHealth: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,423 @@
+"""ChatTTS checkpoints: the upstream directory layout, sizes read back from a directory,
+and random-weight checkpoints generated locally (``voicegw make-checkpoint``).
+
+Layout (upstream ``chattts`` 0.2.5, ``ChatTTS/config/config.py`` ``Path``)::
+
+    asset/Decoder.safetensors      hidden-state vocoder front (DVAE decoder, no VQ)
+    asset/DVAE.safetensors         code -> mel (GFSQ + decoder; + encoder for voice cloning)
+    asset/Embed.safetensors        emb_text, emb_code[4], head_text, head_code[4]
+    asset/Vocos.safetensors        mel -> 24 kHz audio
+    asset/gpt/config.json          LlamaConfig
+    asset/gpt/model.safetensors    LlamaModel weights
+    asset/tokenizer/{tokenizer.json,tokenizer_config.json,special_tokens_map.json}
+
+Random checkpoints are built by instantiating the upstream module classes at the chosen sizes
+(so key names and shapes are exactly upstream's) and saving their state dicts; the tokenizer
+is a WordPiece vocabulary built here with the real control-token ids. Weights are
+deterministic from the seed. ``full`` has the released model's shapes; ``tiny`` shrinks the
+GPT and the convolution stacks so the test suite runs in seconds on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import lzma
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+ASSET_FILES = (
+    "asset/Decoder.safetensors",
+    "asset/DVAE.safetensors",
+    "asset/Embed.safetensors",
+    "asset/Vocos.safetensors",
+    "asset/gpt/config.json",
+    "asset/gpt/model.safetensors",
+    "asset/tokenizer/special_tokens_map.json",
+    "asset/tokenizer/tokenizer_config.json",
+    "asset/tokenizer/tokenizer.json",
+)
+
+#: Size of the WordPiece vocabulary before the control tokens (bert-base-chinese).
+BASE_VOCAB_SIZE = 21128
+#: Control tokens, in id order from 21128. The ids of [Stts] 21131, [Ebreak] 21136,
+#: [spk_emb] 21143 and [break_0] 21147 are those of the released tokenizer.
+CONTROL_TOKENS: tuple[str, ...] = (
+    "[Sbreak]", "[Pbreak]", "[Ptts]", "[Stts]", "[uv_break]", "[laugh]", "[lbreak]",
+    "[empty_spk]", "[Ebreak]", "[music]", "[noise]", "[cough]", "[v_break]", "[Sptts]",
+    "[Eptts]", "[spk_emb]", "[spk_smp]", "[txt_smp]", "[mask]",
+    *(f"[break_{i}]" for i in range(8)),
+    *(f"[speed_{i}]" for i in range(10)),
+    *(f"[oral_{i}]" for i in range(10)),
+    *(f"[laugh_{i}]" for i in range(3)),
+)
+assert len(CONTROL_TOKENS) == 50
+assert BASE_VOCAB_SIZE + CONTROL_TOKENS.index("[Stts]") == 21131
+assert BASE_VOCAB_SIZE + CONTROL_TOKENS.index("[Ebreak]") == 21136
+assert BASE_VOCAB_SIZE + CONTROL_TOKENS.index("[spk_emb]") == 21143
+assert BASE_VOCAB_SIZE + CONTROL_TOKENS.index("[break_0]") == 21147
+
+NUM_TEXT_TOKENS = BASE_VOCAB_SIZE + len(CONTROL_TOKENS)  # 21178
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Sizes of a ChatTTS checkpoint (upstream names)."""
+
+    gpt_hidden: int = 768
+    """GPT hidden size (also speaker embedding size)."""
+    gpt_layers: int = 20
+    gpt_heads: int = 12
+    gpt_kv_heads: int = 12
+    gpt_intermediate: int = 3072
+    gpt_vocab: int = 32000
+    """LlamaModel.embed_tokens rows (unused by ChatTTS, deleted after load)."""
+    max_positions: int = 4096
+    num_text_tokens: int = NUM_TEXT_TOKENS
+    num_audio_tokens: int = 626
+    num_vq: int = 4
+    dvae_hidden: int = 256
+    dvae_layers: int = 12
+    dvae_enc_hidden: int = 256
+    dvae_enc_layers: int = 12
+    decoder_hidden: int = 512
+    decoder_layers: int = 12
+    vocos_dim: int = 512
+    vocos_intermediate: int = 1536
+    vocos_layers: int = 8
+
+    @property
+    def gpt_head_dim(self) -> int:
+        return self.gpt_hidden // self.gpt_heads
+
+
+FULL = ModelSpec()
+TINY = ModelSpec(
+    gpt_hidden=128,
+    gpt_layers=2,
+    gpt_heads=2,
+    gpt_kv_heads=2,
+    gpt_intermediate=256,
+    gpt_vocab=256,
+    dvae_hidden=64,
+    dvae_layers=2,
+    dvae_enc_hidden=32,
+    dvae_enc_layers=1,
+    decoder_hidden=64,
+    decoder_layers=2,
+    vocos_dim=64,
+    vocos_intermediate=128,
+    vocos_layers=2,
+)
+SIZES: dict[str, ModelSpec] = {"tiny": TINY, "full": FULL}
+
+
+def missing_files(model_dir: str | Path) -> list[str]:
+    """Asset files absent from ``model_dir`` (empty list: a complete checkpoint)."""
+    root = Path(model_dir)
+    return [f for f in ASSET_FILES if not (root / f).is_file()]
+
+
+def load_spec(model_dir: str | Path) -> ModelSpec:
+    """Read the sizes of a checkpoint from its config and tensor shapes (no weights loaded)."""
+    from safetensors import safe_open
+
+    root = Path(model_dir)
+    cfg = json.loads((root / "asset/gpt/config.json").read_text())
+
+    def shapes(name: str) -> dict[str, list[int]]:
+        with safe_open(str(root / "asset" / name), framework="np") as f:
+            return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+
+    emb = shapes("Embed.safetensors")
+    dvae = shapes("DVAE.safetensors")
+    dec = shapes("Decoder.safetensors")
+    voc = shapes("Vocos.safetensors")
+
+    def layers(sh: dict[str, list[int]], prefix: str) -> int:
+        idx = {int(k[len(prefix) :].split(".")[0]) for k in sh if k.startswith(prefix)}
+        return max(idx) + 1 if idx else 0
+
+    return ModelSpec(
+        gpt_hidden=int(cfg["hidden_size"]),
+        gpt_layers=int(cfg["num_hidden_layers"]),
+        gpt_heads=int(cfg["num_attention_heads"]),
+        gpt_kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
+        gpt_intermediate=int(cfg["intermediate_size"]),
+        gpt_vocab=int(cfg.get("vocab_size", 32000)),
+        max_positions=int(cfg.get("max_position_embeddings", 4096)),
+        num_text_tokens=emb["emb_text.weight"][0],
+        num_audio_tokens=emb["emb_code.0.weight"][0],
+        num_vq=layers(emb, "emb_code."),
+        dvae_hidden=dvae["decoder.conv_out.weight"][1],
+        dvae_layers=layers(dvae, "decoder.decoder_block."),
+        dvae_enc_hidden=dvae["encoder.conv_out.weight"][1] if "encoder.conv_out.weight" in dvae else 0,
+        dvae_enc_layers=layers(dvae, "encoder.decoder_block."),
+        decoder_hidden=dec["decoder.conv_out.weight"][1],
+        decoder_layers=layers(dec, "decoder.decoder_block."),
+        vocos_dim=voc["backbone.embed.weight"][0],
+        vocos_intermediate=voc["backbone.convnext.0.pwconv1.weight"][0],
+        vocos_layers=layers(voc, "backbone.convnext."),
+    )
+
+
+# --------------------------------------------------------------------------- speaker stats
+
+
+def _encode_f16(arr: np.ndarray) -> str:
+    import pybase16384 as b14
+
+    return str(b14.encode_to_string(np.asarray(arr, dtype=np.float16).tobytes()))
+
+
+def speaker_stat(hidden: int) -> str:
+    """Speaker statistics (std, mean; fp16, base16384) used to sample random voices.
+
+    For the released hidden size (768) these are upstream's ``Config.spk_stat``; for other
+    sizes (random test checkpoints) a deterministic synthetic statistic of the right size.
+    """
+    if hidden == FULL.gpt_hidden:
+        from ChatTTS.config import Config
+
+        return str(Config().spk_stat)
+    rng = np.random.default_rng(hidden)
+    std = rng.uniform(0.5, 1.5, hidden)
+    mean = rng.normal(0.0, 0.1, hidden)
+    return _encode_f16(np.concatenate([std, mean]))
+
+
+def encode_speaker(embedding: np.ndarray) -> str:
+    """Encode a speaker embedding the way upstream does (fp16, raw LZMA2, base16384)."""
+    import pybase16384 as b14
+
+    raw = lzma.compress(
+        np.asarray(embedding, dtype=np.float16).tobytes(),
+        format=lzma.FORMAT_RAW,
+        filters=[{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME}],
+    )
+    return str(b14.encode_to_string(raw))
+
+
+def decode_speaker(encoded: str) -> np.ndarray:
+    """Inverse of ``encode_speaker``: float16 vector."""
+    import pybase16384 as b14
+
+    raw = lzma.decompress(
+        b14.decode_from_string(encoded),
+        format=lzma.FORMAT_RAW,
+        filters=[{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME}],
+    )
+    return np.frombuffer(raw, dtype=np.float16).copy()
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def _base_vocab() -> list[str]:
+    vocab = ["[PAD]"] + [f"[unused{i}]" for i in range(1, 100)] + ["[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab += ["<S>", "<T>"]
+    seen = set(vocab)
+
+    def add(tok: str) -> None:
+        if tok not in seen and len(vocab) < BASE_VOCAB_SIZE:
+            seen.add(tok)
+            vocab.append(tok)
+
+    for c in range(33, 127):
+        ch = chr(c)
+        if not ch.isupper():
+            add(ch)
+    for ch in "abcdefghijklmnopqrstuvwxyz0123456789":
+        add("##" + ch)
+    for ch in "，。、！？；：“”‘’（）《》…—·":
+        add(ch)
+    common = (
+        "the of and to in is you that it he was for on are as with his they at be this have from or "
+        "one had by word but not what all were we when your can said there use an each which she do "
+        "how their if will up other about out many then them these so some her would make like him "
+        "into time has look two more write go see number no way could people my than first water been "
+        "call who oil its now find long down day did get come made may part hello world thank thanks "
+        "yes okay good morning please sorry today weather speech voice audio test stream"
+    ).split()
+    for w in common:
+        add(w)
+    for a in "abcdefghijklmnopqrstuvwxyz":
+        for b in "aeiou":
+            add("##" + a + b)
+            add(a + b)
+    cp = 0x4E00
+    while len(vocab) < BASE_VOCAB_SIZE:
+        add(chr(cp))
+        cp += 1
+    return vocab
+
+
+def write_tokenizer(out_dir: Path) -> None:
+    """Write ``asset/tokenizer/*``: a BertTokenizerFast with the real control-token ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import WordPiece
+
+    vocab = _base_vocab()
+    tok = Tokenizer(WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]", max_input_chars_per_word=100))
+    tok.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=True
+    )
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False, single_word=False) for t in CONTROL_TOKENS])
+    for i, t in enumerate(CONTROL_TOKENS):
+        assert tok.token_to_id(t) == BASE_VOCAB_SIZE + i, t
+    d = out_dir / "asset" / "tokenizer"
+    d.mkdir(parents=True, exist_ok=True)
+    tok.save(str(d / "tokenizer.json"))
+    special = {
+        "cls_token": "[CLS]",
+        "mask_token": "[MASK]",
+        "pad_token": "[PAD]",
+        "sep_token": "[SEP]",
+        "unk_token": "[UNK]",
+    }
+    (d / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "BertTokenizerFast",
+                "do_lower_case": True,
+                "tokenize_chinese_chars": True,
+                "strip_accents": None,
+                "clean_up_tokenization_spaces": True,
+                "model_max_length": 1000000000000000019884624838656,
+                **special,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def _save(module_state: dict, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().clone() for k, v in module_state.items()}, str(path))
+
+
+def upstream_configs(spec: ModelSpec) -> dict[str, dict]:
+    """Upstream ``Config`` sub-sections (as dicts) matching ``spec``."""
+    return {
+        "dvae_decoder": dict(idim=512, odim=512, hidden=spec.dvae_hidden, n_layer=spec.dvae_layers, bn_dim=128),
+        "dvae_encoder": dict(idim=512, odim=1024, hidden=spec.dvae_enc_hidden, n_layer=spec.dvae_enc_layers, bn_dim=128),
+        "vq": dict(dim=1024, levels=(5, 5, 5, 5), G=2, R=2),
+        "decoder": dict(idim=spec.gpt_hidden // 2, odim=spec.gpt_hidden // 2, hidden=spec.decoder_hidden, n_layer=spec.decoder_layers, bn_dim=128),
+        "vocos_backbone": dict(
+            input_channels=100, dim=spec.vocos_dim, intermediate_dim=spec.vocos_intermediate, num_layers=spec.vocos_layers
+        ),
+        "vocos_head": dict(dim=spec.vocos_dim, n_fft=1024, hop_length=256, padding="center"),
+        "gpt": dict(
+            hidden_size=spec.gpt_hidden,
+            intermediate_size=spec.gpt_intermediate,
+            num_attention_heads=spec.gpt_heads,
+            num_key_value_heads=spec.gpt_kv_heads,
+            num_hidden_layers=spec.gpt_layers,
+            max_position_embeddings=spec.max_positions,
+            vocab_size=spec.gpt_vocab,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            hidden_act="silu",
+            attention_dropout=0.0,
+            tie_word_embeddings=False,
+        ),
+    }
+
+
+def make_checkpoint(
+    out_dir: str | Path,
+    size: Literal["tiny", "full"] | ModelSpec = "tiny",
+    seed: int = 0,
+) -> Path:
+    """Write a ChatTTS-shaped checkpoint with random weights to ``out_dir``; return it.
+
+    Deterministic from ``seed``: the same call writes byte-identical files.
+    """
+    import engine  # noqa: F401  (torch companion shim before vocos/chattts/transformers)
+    import torch
+    from ChatTTS.model.dvae import DVAE
+    from ChatTTS.model.embed import Embed
+    from transformers import LlamaConfig, LlamaModel
+    from vocos import Vocos
+    from vocos.feature_extractors import MelSpectrogramFeatures
+    from vocos.heads import ISTFTHead
+    from vocos.models import VocosBackbone
+
+    spec = SIZES[size] if isinstance(size, str) else size
+    out = Path(out_dir)
+    (out / "asset" / "gpt").mkdir(parents=True, exist_ok=True)
+    cfgs = upstream_configs(spec)
+    gen_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            dvae = DVAE(
+                decoder_config=cfgs["dvae_decoder"],
+                encoder_config=cfgs["dvae_encoder"],
+                vq_config=cfgs["vq"],
+                dim=512,
+            )
+            _save(dvae.state_dict(), out / "asset/DVAE.safetensors")
+            del dvae
+            torch.manual_seed(seed + 1)
+            dec = DVAE(decoder_config=cfgs["decoder"], dim=spec.gpt_hidden // 2)
+            _save(dec.state_dict(), out / "asset/Decoder.safetensors")
+            del dec
+            torch.manual_seed(seed + 2)
+            emb = Embed(spec.gpt_hidden, spec.num_audio_tokens, spec.num_text_tokens, spec.num_vq)
+            # Default init of nn.Embedding is N(0, 1): scale to a transformer-like range so
+            # random models produce varied, finite logits.
+            for e in [emb.emb_text, *emb.emb_code]:
+                e.weight.mul_(0.02 * 8)
+            _save(emb.state_dict(), out / "asset/Embed.safetensors")
+            del emb
+            torch.manual_seed(seed + 3)
+            vocos = Vocos(
+                feature_extractor=MelSpectrogramFeatures(sample_rate=24000, n_fft=1024, hop_length=256, n_mels=100, padding="center"),
+                backbone=VocosBackbone(**cfgs["vocos_backbone"]),
+                head=ISTFTHead(**cfgs["vocos_head"]),
+            )
+            _save(vocos.state_dict(), out / "asset/Vocos.safetensors")
+            del vocos
+            torch.manual_seed(seed + 4)
+            llama_cfg = LlamaConfig(**cfgs["gpt"])
+            llama_cfg.initializer_range = 0.02
+            gpt = LlamaModel(llama_cfg)
+            gpt.apply(gpt._init_weights)
+            state = gpt.state_dict()
+            _save(state, out / "asset/gpt/model.safetensors")
+            del gpt, state
+            cfg_json = {"architectures": ["LlamaModel"], "model_type": "llama", "torch_dtype": "float32", **cfgs["gpt"]}
+            (out / "asset/gpt/config.json").write_text(json.dumps(cfg_json, indent=2, sort_keys=True) + "\n")
+    finally:
+        torch.random.set_rng_state(gen_state)
+    write_tokenizer(out)
+    return out
+
+
+def sha256_map(model_dir: str | Path) -> dict[str, str]:
+    """Upstream-style ``sha256_map`` for the files of ``model_dir`` (for ``Chat.load(source="custom")``)."""
+    root = Path(model_dir)
+    out = {}
+    for rel in ASSET_FILES:
+        key = "sha256_" + rel.replace("/", "_").replace(".", "_")
+        out[key] = hashlib.sha256((root / rel).read_bytes()).hexdigest()
+    return out
+
+
+def spec_as_dict(spec: ModelSpec) -> dict[str, int]:
+    return dataclasses.asdict(spec)

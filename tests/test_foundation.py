@@ -1,0 +1,152 @@
+"""Foundation: config loading/validation, random checkpoints, upstream loading, CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.checkpoint import ASSET_FILES, TINY, load_spec, make_checkpoint, missing_files
+from voicegw.config import Config, ConfigError, describe, field_docs, load_config
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_defaults_and_precedence(tmp_path: Path) -> None:
+    toml = tmp_path / "c.toml"
+    toml.write_text('[gateway]\nport = 9001\nhost = "0.0.0.0"\n[engine]\nbackend = "espeak"\n')
+    env = {"VOICEGW_GATEWAY_PORT": "9002", "VOICEGW_LIMITS_MAX_SESSIONS": "7"}
+    cfg = load_config(toml_path=toml, env=env, overrides={"gateway.port": "9003"})
+    assert cfg.gateway.port == 9003  # CLI beats env beats TOML
+    assert cfg.gateway.host == "0.0.0.0"
+    assert cfg.engine.backend == "espeak"
+    assert cfg.limits.max_sessions == 7
+    assert load_config(env={}) == Config()
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"VOICEGW_GATEWAY_PORT": "abc"}, "gateway.port: expected an integer, got 'abc'"),
+        ({"VOICEGW_GATEWAY_PORT": "70000"}, "gateway.port: must be in 0..65535"),
+        ({"VOICEGW_ENGINE_BACKEND": "tensorrt"}, "engine.backend: 'tensorrt' is not one of auto, vllm, reference, espeak"),
+        ({"VOICEGW_LIMITS_MAX_SESSIONS": "0"}, "limits.max_sessions: must be > 0"),
+        ({"VOICEGW_ENGINE_ENFORCE_EAGER": "maybe"}, "engine.enforce_eager: expected a boolean"),
+        ({"VOICEGW_GATEWAY_PROT": "1"}, "gateway.prot: unknown setting; known:"),
+    ],
+)
+def test_validation_messages_are_clear(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_config(env=env)
+    assert message in str(exc.value)
+
+
+def test_toml_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[nosuch]\nx = 1\n")
+    with pytest.raises(ConfigError, match=r"unknown section \[nosuch\]"):
+        load_config(toml_path=bad, env={})
+    bad.write_text("[gateway\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(toml_path=bad, env={})
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(toml_path=tmp_path / "missing.toml", env={})
+
+
+def test_every_field_documented() -> None:
+    import dataclasses
+
+    from voicegw import config as c
+
+    for cls in (c.GatewayConfig, c.EngineConfig, c.SchedulerConfig, c.LimitsConfig):
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring"
+    assert "VOICEGW_ENGINE_MODEL_DIR" in describe()
+
+
+def test_configuration_doc_up_to_date() -> None:
+    doc = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    assert doc.read_text() == describe() + "\n", "regenerate: voicegw config-doc > docs/configuration.md"
+
+
+# ----------------------------------------------------------------------------- checkpoint
+
+
+def _digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for rel in ASSET_FILES:
+        h.update((root / rel).read_bytes())
+    return h.hexdigest()
+
+
+def test_tiny_checkpoint_layout_and_determinism(tiny_model_dir: Path, tmp_path: Path) -> None:
+    assert missing_files(tiny_model_dir) == []
+    assert load_spec(tiny_model_dir) == TINY
+    again = make_checkpoint(tmp_path / "again", "tiny", seed=0)
+    assert _digest(again) == _digest(tiny_model_dir)
+
+
+def test_tokenizer_has_real_control_ids(tiny_model_dir: Path) -> None:
+    from transformers import BertTokenizerFast
+
+    tok = BertTokenizerFast.from_pretrained(str(tiny_model_dir / "asset" / "tokenizer"))
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("[Stts]", "[spk_emb]", "[break_0]", "[Ebreak]")}
+    assert ids == {"[Stts]": 21131, "[spk_emb]": 21143, "[break_0]": 21147, "[Ebreak]": 21136}
+    enc = tok("[Stts][spk_emb][speed_5]hello world[Ptts]", add_special_tokens=False)["input_ids"]
+    assert enc[:2] == [21131, 21143] and enc[-1] == tok.convert_tokens_to_ids("[Ptts]")
+    assert 100 not in enc  # no [UNK] for plain English
+    assert len(tok) == 21178
+
+
+def test_upstream_chattts_loads_tiny_and_speaks(tiny_model_dir: Path) -> None:
+    import ChatTTS
+
+    from tests.upstream import load_upstream_chat
+
+    chat = load_upstream_chat(tiny_model_dir)
+    steps = 24
+    params = ChatTTS.Chat.InferCodeParams(
+        spk_emb=chat.sample_random_speaker(), min_new_token=steps, max_new_token=steps, manual_seed=3
+    )
+    for use_decoder in (False, True):
+        gen = chat.infer(
+            ["hello world"],
+            stream=True,  # stream=True skips upstream's removal of near-silent samples
+            skip_refine_text=True,
+            use_decoder=use_decoder,
+            do_text_normalization=False,
+            do_homophone_replacement=False,
+            split_text=False,
+            params_infer_code=params,
+        )
+        wav = np.concatenate([w[0] for w in gen if w.size])
+        # T steps -> 2T mel frames -> (2T - 1) * 256 samples at 24 kHz (ISTFT, hop 256).
+        assert abs(wav.shape[0] - (2 * steps - 1) * 256) <= 256, wav.shape
+        assert np.isfinite(wav).all()
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+@pytest.mark.parametrize("command", ["", "serve", "say", "chat", "make-checkpoint", "config-doc"])
+def test_cli_help(command: str) -> None:
+    args = [sys.executable, "-m", "voicegw.cli", *([command] if command else []), "--help"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "usage: voicegw" in out.stdout
+
+
+def test_cli_version_and_bad_config() -> None:
+    out = subprocess.run([sys.executable, "-m", "voicegw.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("voicegw ")
+    out = subprocess.run(
+        [sys.executable, "-m", "voicegw.cli", "serve", "--port", "notaport"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2
+    assert "gateway.port: expected an integer" in out.stderr

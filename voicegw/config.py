@@ -1,0 +1,364 @@
+"""The one configuration: frozen dataclasses, read once from TOML, environment and CLI.
+
+Precedence (later wins): defaults < TOML file (``--config`` / ``VOICEGW_CONFIG``)
+< environment (``VOICEGW_<SECTION>_<FIELD>``, e.g. ``VOICEGW_GATEWAY_PORT=9000``)
+< CLI flags (``--gateway.port 9000`` or the short aliases the CLI declares).
+
+Every field has a docstring (the attribute docstring right below it); ``describe()`` turns
+them into the configuration reference (``docs/configuration.md``).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import os
+import textwrap
+import tomllib
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the key and what is allowed."""
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The WebSocket/HTTP server."""
+
+    host: str = "127.0.0.1"
+    """Address to bind."""
+    port: int = 8765
+    """TCP port for WebSocket, demo page, /healthz and /metrics."""
+    auth_tokens: tuple[str, ...] = ()
+    """Bearer tokens accepted (header ``Authorization: Bearer``, subprotocol ``voicegw.token.<t>``
+    or query ``?token=``). Empty: no auth (development only)."""
+    allowed_origins: tuple[str, ...] = ()
+    """Origin allow-list for browser connections. Empty: same-host origins only
+    (http(s)://host:port of this server, localhost and 127.0.0.1); ``*`` allows any."""
+    write_limit_bytes: int = 65_536
+    """websockets write buffer high-water mark; ``send`` waits above it."""
+    send_timeout_ms: int = 10_000
+    """A client whose socket buffer stays full this long is closed (1008 slow reader)."""
+    ping_interval_s: float = 20.0
+    """Keepalive ping interval."""
+    ping_timeout_s: float = 20.0
+    """Close the connection if a pong does not arrive within this time."""
+    open_timeout_s: float = 10.0
+    """Drop connections that do not finish the opening handshake in this time."""
+    shutdown_grace_s: float = 10.0
+    """On SIGTERM: stop accepting, let utterances finish up to this long, then close 1001."""
+    log_level: str = "INFO"
+    """Python logging level."""
+    log_json: bool = False
+    """Structured JSON logs (one object per line) instead of text."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The speech engine."""
+
+    backend: str = "auto"
+    """``vllm`` (ChatTTS GPT in vLLM), ``reference`` (upstream chattts in-process), ``espeak``
+    (offline fallback) or ``auto``: vllm when ChatTTS weights are found, else espeak."""
+    model_dir: str = ""
+    """ChatTTS model directory in upstream layout (``asset/...``). Empty: ``~/.cache/voicegw/chattts``;
+    downloaded from the hub when ``download`` is true and it is missing."""
+    download: bool = False
+    """Download ChatTTS weights from the hub (upstream's source) when missing."""
+    device: str = "auto"
+    """``cpu``, ``cuda`` or ``auto``."""
+    dtype: str = "auto"
+    """GPT dtype in vLLM: ``auto`` (bf16 on GPU, fp32 on CPU), ``float32``, ``bfloat16``, ``float16``."""
+    default_speaker: str = "2222"
+    """Voice when the client names none: an int seed or an upstream-encoded embedding string."""
+    max_num_seqs: int = 64
+    """vLLM: concurrent sequences in one batch."""
+    max_num_batched_tokens: int = 2048
+    """vLLM: tokens per engine step (chunked prefill budget)."""
+    enable_chunked_prefill: bool = True
+    """vLLM: split long prefills across steps so running streams keep stepping."""
+    enable_prefix_caching: bool = True
+    """vLLM: reuse KV of shared prompt prefixes (salted per speaker)."""
+    scheduling_policy: str = "priority"
+    """vLLM: ``priority`` (deadline-aware, see scheduler) or ``fcfs``."""
+    kv_cache_gib: float = 2.0
+    """KV cache size on CPU (``VLLM_CPU_KVCACHE_SPACE``), GiB."""
+    gpu_memory_utilization: float = 0.85
+    """vLLM GPU memory fraction."""
+    enforce_eager: bool = True
+    """vLLM: no torch.compile / CUDA graphs (fast start on CPU; turn off on GPU)."""
+    async_scheduling: bool = False
+    """vLLM async scheduling (GPU only)."""
+    max_model_len: int = 2048
+    """vLLM max sequence length (prompt + steps)."""
+    first_chunk_steps: int = 6
+    """Decoder: GPT steps before the first audio chunk (6 steps = 128 ms of audio)."""
+    chunk_steps: int = 16
+    """Decoder: GPT steps per later chunk."""
+    decoder_batch_wait_ms: float = 2.0
+    """Decoder: how long a ready chunk waits for others to batch with."""
+    decoder_max_batch: int = 64
+    """Decoder: most chunks in one batched forward."""
+    use_hidden_decoder: bool = False
+    """Vocode GPT hidden states with ``Decoder`` (upstream default) instead of codes with DVAE."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Deadline-aware scheduling and admission."""
+
+    ttfa_target_ms: float = 500.0
+    """Admission: refuse a new utterance early when it cannot start within this time."""
+    urgent_buffer_ms: float = 300.0
+    """A stream with less audio buffered at the client than this is urgent."""
+    priority_levels: int = 8
+    """Number of buffer-level priority buckets for continuing segments."""
+    bucket_ms: float = 500.0
+    """Width of one priority bucket in ms of client-buffered audio."""
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """Per-connection and global limits (see SECURITY.md)."""
+
+    max_sessions: int = 256
+    """Concurrent sessions; over it: HTTP 503 at the handshake."""
+    max_message_bytes: int = 65_536
+    """Largest client message; over it: close 1009 before the payload is read."""
+    max_utterance_chars: int = 20_000
+    """Text per utterance; over it: error ``text_too_long``."""
+    max_chars_per_s: float = 2_000.0
+    """Text rate per session (token bucket); over it: error ``rate_limited``, then close 1008."""
+    max_messages_per_s: float = 200.0
+    """Messages per session per second (token bucket, burst 2x); flood: close 1008."""
+    idle_timeout_s: float = 300.0
+    """Close 1000 ("idle") after this long without a client message."""
+    flow_window_ms: float = 2_000.0
+    """Never run further ahead of the client's reported playhead than this (ms of audio)."""
+    max_pending_segments: int = 16
+    """Segments queued per utterance before the engine; beyond it text is refused."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything, read once at start."""
+
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+
+
+_SECTIONS: dict[str, type] = {
+    "gateway": GatewayConfig,
+    "engine": EngineConfig,
+    "scheduler": SchedulerConfig,
+    "limits": LimitsConfig,
+}
+
+_CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("engine", "backend"): ("auto", "vllm", "reference", "espeak"),
+    ("engine", "device"): ("auto", "cpu", "cuda"),
+    ("engine", "dtype"): ("auto", "float32", "bfloat16", "float16"),
+    ("engine", "scheduling_policy"): ("priority", "fcfs"),
+    ("gateway", "log_level"): ("DEBUG", "INFO", "WARNING", "ERROR"),
+}
+
+_POSITIVE: set[tuple[str, str]] = {
+    ("gateway", "write_limit_bytes"),
+    ("gateway", "send_timeout_ms"),
+    ("engine", "max_num_seqs"),
+    ("engine", "max_num_batched_tokens"),
+    ("engine", "kv_cache_gib"),
+    ("engine", "max_model_len"),
+    ("engine", "first_chunk_steps"),
+    ("engine", "chunk_steps"),
+    ("engine", "decoder_max_batch"),
+    ("scheduler", "ttfa_target_ms"),
+    ("scheduler", "priority_levels"),
+    ("scheduler", "bucket_ms"),
+    ("limits", "max_sessions"),
+    ("limits", "max_message_bytes"),
+    ("limits", "max_utterance_chars"),
+    ("limits", "max_chars_per_s"),
+    ("limits", "max_messages_per_s"),
+    ("limits", "idle_timeout_s"),
+    ("limits", "flow_window_ms"),
+    ("limits", "max_pending_segments"),
+}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass (the string literal right after each field)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _coerce(section: str, name: str, tp: Any, value: Any) -> Any:
+    key = f"{section}.{name}"
+    origin = typing.get_origin(tp)
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if tp is int:
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if tp is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if tp is str:
+            if not isinstance(value, (str, int)):
+                raise ValueError
+            return str(value)
+        if origin is tuple:
+            if isinstance(value, str):
+                items = [v.strip() for v in value.split(",") if v.strip()]
+            elif isinstance(value, (list, tuple)):
+                items = [str(v) for v in value]
+            else:
+                raise ValueError
+            return tuple(items)
+    except (TypeError, ValueError):
+        pass
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is tuple:
+        return "a list of strings (comma-separated in env/CLI)"
+    return {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, str(tp)
+    )
+
+
+def _validate(section: str, name: str, value: Any) -> None:
+    key = (section, name)
+    if key in _CHOICES:
+        choices = _CHOICES[key]
+        if str(value).upper() not in [c.upper() for c in choices]:
+            raise ConfigError(f"{section}.{name}: {value!r} is not one of {', '.join(choices)}")
+    if key in _POSITIVE and not value > 0:
+        raise ConfigError(f"{section}.{name}: must be > 0, got {value!r}")
+    if key == ("gateway", "port") and not 0 <= value <= 65535:
+        raise ConfigError(f"gateway.port: must be in 0..65535, got {value!r}")
+    if key == ("engine", "gpu_memory_utilization") and not 0 < value <= 1:
+        raise ConfigError(f"engine.gpu_memory_utilization: must be in (0, 1], got {value!r}")
+    if key == ("engine", "decoder_batch_wait_ms") and value < 0:
+        raise ConfigError(f"engine.decoder_batch_wait_ms: must be >= 0, got {value!r}")
+
+
+def load_config(
+    toml_path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build the config: defaults < TOML < env ``VOICEGW_SECTION_FIELD`` < overrides.
+
+    ``overrides`` maps ``"section.field"`` to a value (the CLI passes parsed flags here).
+    Raises ``ConfigError`` with a message naming the key.
+    """
+    env = os.environ if env is None else env
+    raw: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
+    toml_path = toml_path or env.get("VOICEGW_CONFIG") or None
+    if toml_path:
+        path = Path(toml_path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path}: not found") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: invalid TOML ({exc})") from None
+        for section, values in data.items():
+            if section not in _SECTIONS:
+                raise ConfigError(f"config file {path}: unknown section [{section}]; known: {', '.join(_SECTIONS)}")
+            if not isinstance(values, dict):
+                raise ConfigError(f"config file {path}: [{section}] must be a table")
+            for name, value in values.items():
+                raw[section][name] = value
+    for section in _SECTIONS:
+        prefix = f"VOICEGW_{section.upper()}_"
+        for k, v in env.items():
+            if k.startswith(prefix):
+                raw[section][k[len(prefix) :].lower()] = v
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        section, _, name = dotted.partition(".")
+        if section not in _SECTIONS:
+            raise ConfigError(f"{dotted}: unknown section {section!r}")
+        raw[section][name] = value
+
+    built: dict[str, Any] = {}
+    for section, cls in _SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for name, value in raw[section].items():
+            if name not in names:
+                raise ConfigError(
+                    f"{section}.{name}: unknown setting; known: {', '.join(sorted(names))}"
+                )
+            v = _coerce(section, name, hints[name], value)
+            _validate(section, name, v)
+            kwargs[name] = v
+        built[section] = cls(**kwargs)
+    return Config(**built)
+
+
+def describe() -> str:
+    """The configuration reference as Markdown (docs/configuration.md is generated from it)."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from `voicegw/config.py` (`voicegw config-doc`). Precedence: defaults < TOML "
+        "(`--config FILE` or `VOICEGW_CONFIG`) < environment `VOICEGW_<SECTION>_<FIELD>` < CLI "
+        "`--<section>.<field> VALUE`.",
+        "",
+    ]
+    for section, cls in _SECTIONS.items():
+        docs = field_docs(cls)
+        lines += [f"## [{section}]", "", (cls.__doc__ or "").strip(), "", "| key | default | env | meaning |", "|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            env_name = f"VOICEGW_{section.upper()}_{f.name.upper()}"
+            lines.append(f"| `{f.name}` | `{default!r}` | `{env_name}` | {docs.get(f.name, '')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def cli_fields() -> list[tuple[str, type, Any, str]]:
+    """(``section.field``, type, default, help) for every setting: the CLI builds flags from it."""
+    out = []
+    for section, cls in _SECTIONS.items():
+        docs = field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            out.append((f"{section}.{f.name}", hints[f.name], f.default, docs.get(f.name, "")))
+    return out
