@@ -1,0 +1,357 @@
+"""Deadline-aware scheduling policy: segment -> vLLM priority, re-evaluation, admission.
+
+Pure policy: no asyncio, no sockets, no torch. The gateway feeds it numbers (what it sent,
+what the client reported playing, engine load) and acts on what it returns.
+
+Why: FCFS engines make a new speaker wait behind streams that already have seconds of audio
+buffered at their client. What matters to a listener is the *playback deadline*: the moment
+their client runs out of audio. A stream with 3 s buffered can wait 2 s without a glitch; a
+new utterance with nothing buffered cannot wait at all. So:
+
+* ``SchedulingPolicy.segment_priority`` maps a segment to a vLLM request priority (lower runs
+  first, vLLM ``scheduling_policy="priority"``):
+
+  ======================  ==========================================================
+  priority                segment
+  ======================  ==========================================================
+  0                       first segment of an utterance (nothing buffered yet)
+  1                       continuing segment, client buffer < ``urgent_buffer_ms``
+  2 .. priority_levels    continuing segment, one level per ``bucket_ms`` of audio
+                          buffered above ``urgent_buffer_ms`` (capped)
+  ======================  ==========================================================
+
+  The client buffer is estimated by ``client_buffered_ms`` from what the gateway sent, the
+  client's last ``playback`` report and the time since that report.
+
+* What vLLM does with the priority (0.32, read from ``v1/core/sched/scheduler.py``): the
+  WAITING queue is a heap ordered by ``(priority, arrival_time)``; when KV blocks run out the
+  running request with the largest ``(priority, arrival_time)`` is preempted (recomputed
+  later). Running requests are stepped together; a priority does not change a running
+  request's step rate, and vLLM has no API to change the priority of a request already
+  submitted.
+
+* Re-evaluation (``SchedulingPolicy.reevaluate``), what is implemented:
+
+  - a segment still queued in the gateway (not yet submitted): its priority is computed at
+    submission time from the buffer level then (``Reevaluation.UPDATE``: nothing to undo);
+  - a request submitted to the engine that has produced no output yet: when the stream's
+    buffer has drained so that its priority would rise by at least ``promote_levels``,
+    ``Reevaluation.RESUBMIT`` (abort it and submit again with the new priority; it holds no
+    KV worth keeping, at most a partial prefill of a short prompt). Only promotion: demoting
+    would only lose its place in the queue while new utterances overtake it anyway.
+  - a running request (output flowing): ``Reevaluation.KEEP``. Resubmitting would throw
+    away its KV cache and its sampled codes (a continuation from a prefix is not in the
+    engine API). Running streams are protected by vLLM stepping every running request each
+    step; the gateway's flow window bounds how far ahead they run.
+
+* Admission (``AdmissionController``): before an utterance starts, estimate its
+  time-to-first-audio from the engine load (running / waiting counts, ``max_num_seqs``) and a
+  step-time model fed with observations (``StepTimeEstimator``). If it cannot start within
+  ``ttfa_target_ms``, refuse with error code ``overloaded`` (``OVERLOADED_CODE``) and a
+  ``retry_after_ms`` hint. An idle engine always admits, and a refusal needs the estimate to
+  exceed both the target and ``idle_slack`` x the idle estimate (a slow machine that cannot
+  meet the target even idle degrades latency instead of refusing everyone).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from voicegw.config import SchedulerConfig
+
+#: Error code of an admission refusal (gateway ``error`` message ``code``).
+OVERLOADED_CODE = "overloaded"
+
+#: Priority of the first segment of an utterance.
+FIRST_SEGMENT_PRIORITY = 0
+#: Priority of a continuing segment whose client is about to run dry.
+URGENT_PRIORITY = 1
+
+#: Real-time duration of one ChatTTS GPT step (512 samples at 24 kHz).
+REALTIME_STEP_MS = 512 / 24_000 * 1000.0
+
+
+def client_buffered_ms(
+    sent_samples: int,
+    played_samples: int,
+    sample_rate_hz: int,
+    ms_since_report: float = 0.0,
+    playing: bool = True,
+    unsent_samples: int = 0,
+) -> float:
+    """Audio ahead of the client's playhead, in ms, as far as the gateway can tell now.
+
+    ``sent_samples``: samples sent on the socket since the origin of ``played_samples`` (the
+    same counter origin, e.g. the session or the utterance). ``played_samples``: from the
+    client's last ``playback`` report. ``ms_since_report``: time since that report arrived;
+    while the client is ``playing`` it consumed that much more. ``unsent_samples``: audio
+    already synthesized but held by flow control; it is as good as buffered for the deadline.
+    """
+    if sample_rate_hz <= 0:
+        raise ValueError("sample_rate_hz must be > 0")
+    in_flight_ms = max(0, sent_samples - played_samples) * 1000.0 / sample_rate_hz
+    if playing:
+        in_flight_ms -= max(0.0, ms_since_report)
+    return max(0.0, in_flight_ms) + max(0, unsent_samples) * 1000.0 / sample_rate_hz
+
+
+class Reevaluation(enum.Enum):
+    """What to do with a segment whose stream's buffer level changed."""
+
+    KEEP = "keep"
+    """Leave it as it is."""
+    UPDATE = "update"
+    """Not submitted yet: just use the new priority when submitting."""
+    RESUBMIT = "resubmit"
+    """Abort the engine request and submit it again with the new priority."""
+
+
+class RequestPhase(enum.Enum):
+    PENDING = "pending"
+    """Queued in the gateway, not yet given to the engine."""
+    WAITING = "waiting"
+    """Given to the engine, no output received yet."""
+    RUNNING = "running"
+    """Output is flowing."""
+
+
+class SchedulingPolicy:
+    """Maps segments to vLLM priorities from the client's playback deadline."""
+
+    def __init__(self, config: SchedulerConfig | None = None, promote_levels: int = 1) -> None:
+        self.config = config or SchedulerConfig()
+        if self.config.priority_levels < 1:
+            raise ValueError("priority_levels must be >= 1")
+        if self.config.bucket_ms <= 0:
+            raise ValueError("bucket_ms must be > 0")
+        if promote_levels < 1:
+            raise ValueError("promote_levels must be >= 1")
+        self.promote_levels = promote_levels
+
+    @property
+    def lowest_priority(self) -> int:
+        """The largest value ``segment_priority`` returns (least urgent)."""
+        return self.config.priority_levels
+
+    def segment_priority(self, segment_index: int, buffered_ms: float) -> int:
+        """vLLM priority of a segment (lower runs first).
+
+        ``segment_index``: 0 for the first segment of an utterance. ``buffered_ms``: audio the
+        client has ahead of its playhead for this stream (``client_buffered_ms``).
+        """
+        if segment_index <= 0:
+            return FIRST_SEGMENT_PRIORITY
+        cfg = self.config
+        if buffered_ms < cfg.urgent_buffer_ms or cfg.priority_levels == 1:
+            return URGENT_PRIORITY
+        bucket = 1 + int((buffered_ms - cfg.urgent_buffer_ms) // cfg.bucket_ms)
+        return min(URGENT_PRIORITY + bucket, cfg.priority_levels)
+
+    def reevaluate(self, phase: RequestPhase, current_priority: int, new_priority: int) -> Reevaluation:
+        """Should a segment's priority change now that its stream's buffer changed?
+
+        See the module docstring: pending segments are updated freely; waiting requests are
+        resubmitted only when promoted by at least ``promote_levels``; running ones are kept.
+        """
+        if phase is RequestPhase.PENDING:
+            return Reevaluation.UPDATE if new_priority != current_priority else Reevaluation.KEEP
+        if phase is RequestPhase.WAITING and current_priority - new_priority >= self.promote_levels:
+            return Reevaluation.RESUBMIT
+        return Reevaluation.KEEP
+
+
+# ---------------------------------------------------------------------------------------------
+# Step-time model and admission
+
+
+class StepTimeEstimator:
+    """Engine step time as a function of batch size, learned from observations.
+
+    Model: ``step_ms(b) = a + c * b`` (a: fixed per-step cost, c: per-sequence cost), fitted by
+    least squares over exponentially decayed observations (``half_life`` observations), so it
+    follows load and machine changes. With observations at one batch size only, the slope is
+    not identifiable: the step is split into ``overhead_fraction`` fixed cost and the rest per
+    sequence. With no observation, ``prior_step_ms`` at batch 1 is used the same way.
+
+    Feed it with ``observe(batch_size, step_ms)``: e.g. per engine step from engine stats, or
+    from a chunk of ``n`` steps that took ``t`` ms to arrive while ``b`` requests ran
+    (``observe(b, t / n)``).
+    """
+
+    def __init__(
+        self, prior_step_ms: float = 40.0, half_life: float = 200.0, overhead_fraction: float = 0.5
+    ) -> None:
+        if prior_step_ms <= 0 or half_life <= 0 or not 0 <= overhead_fraction <= 1:
+            raise ValueError("invalid StepTimeEstimator parameters")
+        self.prior_step_ms = prior_step_ms
+        self.overhead_fraction = overhead_fraction
+        self._decay = 0.5 ** (1.0 / half_life)
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self.observations = 0
+
+    def observe(self, batch_size: int, step_ms: float) -> None:
+        if batch_size < 1 or not math.isfinite(step_ms) or step_ms <= 0:
+            return
+        d = self._decay
+        x, y = float(batch_size), float(step_ms)
+        self._w = self._w * d + 1.0
+        self._x = self._x * d + x
+        self._y = self._y * d + y
+        self._xx = self._xx * d + x * x
+        self._xy = self._xy * d + x * y
+        self.observations += 1
+
+    def coefficients(self) -> tuple[float, float]:
+        """(a, c) of ``step_ms(b) = a + c * b``; both >= 0."""
+        if self._w <= 0:
+            return self._split(1.0, self.prior_step_ms)
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        if var <= 1e-6 * max(1.0, mx * mx):
+            return self._split(mx, my)
+        c = (self._xy / self._w - mx * my) / var
+        a = my - c * mx
+        if c < 0:  # noise: step time does not fall with batch size
+            return max(0.0, my), 0.0
+        if a < 0:  # force through a non-negative intercept
+            return 0.0, my / mx
+        return a, c
+
+    def _split(self, batch: float, step_ms: float) -> tuple[float, float]:
+        a = self.overhead_fraction * step_ms
+        return a, (step_ms - a) / batch
+
+    def predict(self, batch_size: int) -> float:
+        a, c = self.coefficients()
+        return a + c * max(1, batch_size)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """Engine load as the gateway sees it when an utterance asks to start."""
+
+    running: int
+    """Requests the engine is stepping."""
+    waiting_ahead: int
+    """Requests waiting for the engine that a new utterance's first segment would not overtake
+    (priority <= FIRST_SEGMENT_PRIORITY, i.e. other new utterances)."""
+    max_num_seqs: int
+    """Engine batch limit (``EngineConfig.max_num_seqs``)."""
+
+
+@dataclass(frozen=True)
+class AdmissionDecision:
+    admit: bool
+    estimated_ttfa_ms: float
+    """Predicted time from first segment submitted to first audio chunk out of the engine."""
+    limit_ms: float
+    """The bound the estimate was compared with."""
+    code: str | None = None
+    """``OVERLOADED_CODE`` when refused."""
+    retry_after_ms: float = 0.0
+    """Hint for the client when refused: how much sooner the engine should be able to start."""
+    reason: str = ""
+
+
+class AdmissionController:
+    """Refuses a new utterance when its first audio cannot come within ``ttfa_target_ms``.
+
+    Estimate (documented in docs/loadtest.md):
+
+    * free slots ``f = max_num_seqs - running``. If ``waiting_ahead < f`` the first segment
+      joins the batch at the next step: no queue wait.
+    * otherwise it needs ``k = waiting_ahead - f + 1`` running requests to finish first. With
+      segments of ``L`` steps on average (``observe_segment_steps``) and ``max_num_seqs``
+      requests running with staggered starts, one finishes every ``L / max_num_seqs`` steps:
+      queue wait ``= k * L / max_num_seqs`` steps at ``step_ms(max_num_seqs)``.
+    * then ``1 + first_chunk_steps`` steps (prefill + steps before the first decoded chunk) at
+      ``step_ms(batch)`` with ``batch = min(max_num_seqs, running + waiting_ahead + 1)``, plus
+      ``decode_ms`` for the first chunk.
+
+    Admit when the estimate <= ``max(ttfa_target_ms, idle_slack * idle estimate)``, or when the
+    engine is idle. ``max_step_ms`` (optional): also refuse when the predicted step time at the
+    new batch size exceeds it (e.g. ``REALTIME_STEP_MS``: every running stream would fall
+    behind real time).
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig | None = None,
+        estimator: StepTimeEstimator | None = None,
+        first_chunk_steps: int = 6,
+        decode_ms: float = 10.0,
+        mean_segment_steps: float = 150.0,
+        idle_slack: float = 1.5,
+        max_step_ms: float | None = None,
+    ) -> None:
+        self.config = config or SchedulerConfig()
+        self.estimator = estimator or StepTimeEstimator()
+        self.first_chunk_steps = first_chunk_steps
+        self.decode_ms = decode_ms
+        self.idle_slack = idle_slack
+        self.max_step_ms = max_step_ms
+        self._segment_steps = mean_segment_steps
+        self._segment_alpha = 0.05
+
+    @property
+    def mean_segment_steps(self) -> float:
+        return self._segment_steps
+
+    def observe_step(self, batch_size: int, step_ms: float) -> None:
+        self.estimator.observe(batch_size, step_ms)
+
+    def observe_segment_steps(self, steps: int) -> None:
+        """A finished segment ran this many GPT steps (EWMA of segment length)."""
+        if steps > 0:
+            self._segment_steps += self._segment_alpha * (steps - self._segment_steps)
+
+    def observe_decode_ms(self, decode_ms: float) -> None:
+        if decode_ms >= 0 and math.isfinite(decode_ms):
+            self.decode_ms += 0.1 * (decode_ms - self.decode_ms)
+
+    def estimate_ttfa_ms(self, load: EngineLoad) -> float:
+        max_seqs = max(1, load.max_num_seqs)
+        running = max(0, load.running)
+        ahead = max(0, load.waiting_ahead)
+        free = max(0, max_seqs - running)
+        est = self.estimator
+        wait_ms = 0.0
+        if ahead >= free:
+            needed = ahead - free + 1
+            wait_steps = needed * self._segment_steps / max_seqs
+            wait_ms = wait_steps * est.predict(max_seqs)
+        batch = min(max_seqs, running + ahead + 1)
+        return wait_ms + (1 + self.first_chunk_steps) * est.predict(batch) + self.decode_ms
+
+    def idle_estimate_ms(self) -> float:
+        return self.estimate_ttfa_ms(EngineLoad(running=0, waiting_ahead=0, max_num_seqs=1))
+
+    def decide(self, load: EngineLoad) -> AdmissionDecision:
+        estimate = self.estimate_ttfa_ms(load)
+        limit = max(self.config.ttfa_target_ms, self.idle_slack * self.idle_estimate_ms())
+        if load.running <= 0 and load.waiting_ahead <= 0:
+            return AdmissionDecision(True, estimate, limit, reason="idle engine")
+        if estimate > limit:
+            return AdmissionDecision(
+                False,
+                estimate,
+                limit,
+                code=OVERLOADED_CODE,
+                retry_after_ms=math.ceil(estimate - limit),
+                reason=f"estimated time to first audio {estimate:.0f} ms > {limit:.0f} ms",
+            )
+        if self.max_step_ms is not None:
+            batch = min(max(1, load.max_num_seqs), load.running + load.waiting_ahead + 1)
+            step = self.estimator.predict(batch)
+            if step > self.max_step_ms:
+                return AdmissionDecision(
+                    False,
+                    estimate,
+                    limit,
+                    code=OVERLOADED_CODE,
+                    retry_after_ms=math.ceil((step - self.max_step_ms) * self._segment_steps),
+                    reason=f"step time at batch {batch} {step:.1f} ms > {self.max_step_ms:.1f} ms",
+                )
+        return AdmissionDecision(True, estimate, limit, reason="within target")

@@ -1,0 +1,262 @@
+"""engine/scheduler.py: priority from playback deadline, re-evaluation, step-time model, admission."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine.scheduler import (
+    FIRST_SEGMENT_PRIORITY,
+    OVERLOADED_CODE,
+    REALTIME_STEP_MS,
+    URGENT_PRIORITY,
+    AdmissionController,
+    EngineLoad,
+    Reevaluation,
+    RequestPhase,
+    SchedulingPolicy,
+    StepTimeEstimator,
+    client_buffered_ms,
+)
+from voicegw.config import SchedulerConfig
+
+CFG = SchedulerConfig(ttfa_target_ms=500.0, urgent_buffer_ms=300.0, priority_levels=8, bucket_ms=500.0)
+
+
+# ----------------------------------------------------------------------------- buffer estimate
+
+
+def test_buffered_from_sent_and_played() -> None:
+    # 1 s sent, 0.25 s played at 24 kHz, report just arrived
+    assert client_buffered_ms(24_000, 6_000, 24_000) == pytest.approx(750.0)
+
+
+def test_buffered_drains_while_playing_since_report() -> None:
+    assert client_buffered_ms(24_000, 6_000, 24_000, ms_since_report=250.0) == pytest.approx(500.0)
+    # paused / prebuffering client: no drain
+    assert client_buffered_ms(24_000, 6_000, 24_000, ms_since_report=250.0, playing=False) == pytest.approx(750.0)
+
+
+def test_buffered_never_negative_and_counts_unsent() -> None:
+    assert client_buffered_ms(1_000, 0, 24_000, ms_since_report=10_000.0) == 0.0
+    assert client_buffered_ms(0, 500, 24_000) == 0.0  # report ahead of our count (racy): clamp
+    assert client_buffered_ms(0, 0, 16_000, unsent_samples=1_600) == pytest.approx(100.0)
+
+
+def test_buffered_rejects_bad_rate() -> None:
+    with pytest.raises(ValueError):
+        client_buffered_ms(1, 0, 0)
+
+
+# ----------------------------------------------------------------------------- priorities
+
+
+def test_first_segment_is_highest_priority_whatever_the_buffer() -> None:
+    p = SchedulingPolicy(CFG)
+    assert p.segment_priority(0, 0.0) == FIRST_SEGMENT_PRIORITY == 0
+    assert p.segment_priority(0, 10_000.0) == 0
+
+
+def test_continuing_segments_by_bucket() -> None:
+    p = SchedulingPolicy(CFG)
+    assert p.segment_priority(1, 0.0) == URGENT_PRIORITY == 1
+    assert p.segment_priority(3, 299.9) == 1
+    assert p.segment_priority(1, 300.0) == 2
+    assert p.segment_priority(1, 799.9) == 2
+    assert p.segment_priority(1, 800.0) == 3
+    assert p.segment_priority(1, 300.0 + 6 * 500.0) == 8
+    assert p.segment_priority(1, 1e9) == 8 == p.lowest_priority
+
+
+def test_single_level_config() -> None:
+    p = SchedulingPolicy(SchedulerConfig(priority_levels=1))
+    assert p.segment_priority(0, 0.0) == 0
+    assert p.segment_priority(5, 5_000.0) == 1
+
+
+def test_invalid_policy_config() -> None:
+    with pytest.raises(ValueError):
+        SchedulingPolicy(SchedulerConfig(priority_levels=0))
+    with pytest.raises(ValueError):
+        SchedulingPolicy(SchedulerConfig(bucket_ms=0))
+    with pytest.raises(ValueError):
+        SchedulingPolicy(CFG, promote_levels=0)
+
+
+@given(
+    idx=st.integers(min_value=1, max_value=100),
+    a=st.floats(min_value=0, max_value=60_000, allow_nan=False),
+    b=st.floats(min_value=0, max_value=60_000, allow_nan=False),
+    levels=st.integers(min_value=1, max_value=32),
+    bucket=st.floats(min_value=1, max_value=5_000, allow_nan=False),
+)
+def test_priority_monotone_in_buffer_and_bounded(idx: int, a: float, b: float, levels: int, bucket: float) -> None:
+    p = SchedulingPolicy(SchedulerConfig(priority_levels=levels, bucket_ms=bucket))
+    lo, hi = sorted((a, b))
+    assert URGENT_PRIORITY <= p.segment_priority(idx, lo) <= p.segment_priority(idx, hi) <= levels
+    assert p.segment_priority(0, hi) < p.segment_priority(idx, lo)
+
+
+# ----------------------------------------------------------------------------- re-evaluation
+
+
+def test_reevaluate_pending_updates_freely() -> None:
+    p = SchedulingPolicy(CFG)
+    assert p.reevaluate(RequestPhase.PENDING, 5, 2) is Reevaluation.UPDATE
+    assert p.reevaluate(RequestPhase.PENDING, 2, 5) is Reevaluation.UPDATE
+    assert p.reevaluate(RequestPhase.PENDING, 3, 3) is Reevaluation.KEEP
+
+
+def test_reevaluate_waiting_resubmits_only_on_promotion() -> None:
+    p = SchedulingPolicy(CFG, promote_levels=2)
+    assert p.reevaluate(RequestPhase.WAITING, 6, 4) is Reevaluation.RESUBMIT
+    assert p.reevaluate(RequestPhase.WAITING, 6, 5) is Reevaluation.KEEP  # hysteresis
+    assert p.reevaluate(RequestPhase.WAITING, 2, 6) is Reevaluation.KEEP  # never demote
+
+
+def test_reevaluate_running_is_kept() -> None:
+    p = SchedulingPolicy(CFG)
+    assert p.reevaluate(RequestPhase.RUNNING, 8, 1) is Reevaluation.KEEP
+
+
+def test_priority_drifts_up_as_a_stream_drains() -> None:
+    """A deep-buffered stream is deferred but becomes urgent as its client plays: no starvation."""
+    p = SchedulingPolicy(CFG)
+    sent = 24_000 * 4  # 4 s sent, nothing more arrives
+    prios = [
+        p.segment_priority(1, client_buffered_ms(sent, 0, 24_000, ms_since_report=t)) for t in range(0, 4001, 250)
+    ]
+    assert prios == sorted(prios, reverse=True)
+    assert prios[0] == 8 and prios[-1] == URGENT_PRIORITY
+
+
+# ----------------------------------------------------------------------------- step time model
+
+
+def test_estimator_prior_without_observations() -> None:
+    e = StepTimeEstimator(prior_step_ms=40.0, overhead_fraction=0.5)
+    assert e.predict(1) == pytest.approx(40.0)
+    assert e.predict(3) == pytest.approx(20.0 + 3 * 20.0)
+
+
+def test_estimator_learns_linear_model() -> None:
+    e = StepTimeEstimator(prior_step_ms=1000.0)
+    for _ in range(5):
+        for b in (1, 2, 4, 8, 16):
+            e.observe(b, 10.0 + 2.0 * b)
+    a, c = e.coefficients()
+    assert a == pytest.approx(10.0, rel=1e-6) and c == pytest.approx(2.0, rel=1e-6)
+    assert e.predict(32) == pytest.approx(74.0, rel=1e-6)
+
+
+def test_estimator_single_batch_size_splits_overhead() -> None:
+    e = StepTimeEstimator(overhead_fraction=0.25)
+    for _ in range(10):
+        e.observe(4, 40.0)
+    assert e.predict(4) == pytest.approx(40.0)
+    assert e.predict(8) == pytest.approx(10.0 + 8 * 7.5)
+
+
+def test_estimator_ignores_garbage_and_clamps() -> None:
+    e = StepTimeEstimator(prior_step_ms=40.0)
+    e.observe(0, 10.0)
+    e.observe(2, float("nan"))
+    e.observe(2, -1.0)
+    assert e.observations == 0
+    # decreasing with batch (noise): slope clamped to 0
+    for b, y in ((1, 50.0), (2, 40.0), (4, 30.0)):
+        e.observe(b, y)
+    a, c = e.coefficients()
+    assert c == 0.0 and a == pytest.approx(40.0, rel=0.01)
+    assert all(e.predict(b) >= 0 for b in (1, 10, 100))
+
+
+def test_estimator_forgets_old_observations() -> None:
+    e = StepTimeEstimator(half_life=10.0)
+    for _ in range(100):
+        e.observe(1, 100.0)
+    for _ in range(200):
+        e.observe(1, 10.0)
+    assert e.predict(1) == pytest.approx(10.0, rel=0.01)
+
+
+@given(st.lists(st.tuples(st.integers(1, 256), st.floats(0.01, 10_000, allow_nan=False)), max_size=50))
+def test_estimator_never_negative_and_monotone(obs: list[tuple[int, float]]) -> None:
+    e = StepTimeEstimator()
+    for b, y in obs:
+        e.observe(b, y)
+    a, c = e.coefficients()
+    assert a >= 0 and c >= 0
+    assert e.predict(1) <= e.predict(64) + 1e-9
+
+
+# ----------------------------------------------------------------------------- admission
+
+
+def _controller(step_ms: float = 20.0, **kw: float) -> AdmissionController:
+    est = StepTimeEstimator(prior_step_ms=step_ms, overhead_fraction=1.0)  # flat step time
+    return AdmissionController(CFG, est, first_chunk_steps=6, decode_ms=10.0, mean_segment_steps=100.0, **kw)
+
+
+def test_idle_engine_always_admits() -> None:
+    ac = _controller(step_ms=1_000.0)  # far slower than the target even idle
+    d = ac.decide(EngineLoad(running=0, waiting_ahead=0, max_num_seqs=8))
+    assert d.admit and d.code is None
+    assert d.estimated_ttfa_ms == pytest.approx(7 * 1000.0 + 10.0)
+
+
+def test_free_slots_admit_without_queue_wait() -> None:
+    ac = _controller()
+    load = EngineLoad(running=5, waiting_ahead=2, max_num_seqs=8)
+    assert ac.estimate_ttfa_ms(load) == pytest.approx(7 * 20.0 + 10.0)
+    assert ac.decide(load).admit
+
+
+def test_full_batch_queue_wait_and_refusal() -> None:
+    ac = _controller()
+    # 8 running, 8 new utterances ahead: needs 9 completions, one every 100/8 steps
+    load = EngineLoad(running=8, waiting_ahead=8, max_num_seqs=8)
+    expected = 9 * 100.0 / 8 * 20.0 + 7 * 20.0 + 10.0
+    assert ac.estimate_ttfa_ms(load) == pytest.approx(expected)
+    d = ac.decide(load)
+    assert not d.admit and d.code == OVERLOADED_CODE == "overloaded"
+    assert d.retry_after_ms >= expected - 500.0
+    assert "ms" in d.reason
+
+
+def test_estimate_monotone_in_queue() -> None:
+    ac = _controller()
+    ests = [ac.estimate_ttfa_ms(EngineLoad(running=8, waiting_ahead=w, max_num_seqs=8)) for w in range(20)]
+    assert ests == sorted(ests)
+    assert ac.decide(EngineLoad(8, 0, 8)).admit  # one completion away: 12.5 steps
+    assert not ac.decide(EngineLoad(8, 19, 8)).admit
+
+
+def test_slow_machine_limit_scales_with_idle_estimate() -> None:
+    ac = _controller(step_ms=100.0, idle_slack=1.5)  # idle estimate 710 ms > 500 ms target
+    assert ac.decide(EngineLoad(running=3, waiting_ahead=0, max_num_seqs=8)).admit
+    d = ac.decide(EngineLoad(running=8, waiting_ahead=1, max_num_seqs=8))
+    assert not d.admit and d.limit_ms == pytest.approx(1.5 * 710.0)
+
+
+def test_realtime_guard_optional() -> None:
+    est = StepTimeEstimator(prior_step_ms=2.0, overhead_fraction=0.0)  # 2 ms per sequence
+    ac = AdmissionController(CFG, est, max_step_ms=REALTIME_STEP_MS)
+    assert ac.decide(EngineLoad(running=9, waiting_ahead=0, max_num_seqs=64)).admit  # 20 ms
+    d = ac.decide(EngineLoad(running=12, waiting_ahead=0, max_num_seqs=64))  # 26 ms > 21.3
+    assert not d.admit and d.code == OVERLOADED_CODE and "step time" in d.reason
+    assert AdmissionController(CFG, est).decide(EngineLoad(12, 0, 64)).admit  # guard off by default
+
+
+def test_admission_learns_from_observations() -> None:
+    ac = AdmissionController(CFG, StepTimeEstimator(prior_step_ms=2.0), mean_segment_steps=100.0)
+    load = EngineLoad(running=16, waiting_ahead=0, max_num_seqs=16)
+    assert ac.decide(load).admit
+    for _ in range(50):
+        ac.observe_step(16, 60.0)
+        ac.observe_segment_steps(300)
+    assert ac.mean_segment_steps > 100.0
+    assert not ac.decide(load).admit
+    ac.observe_decode_ms(50.0)
+    assert ac.decode_ms > 10.0
