@@ -47,7 +47,7 @@ new utterance with nothing buffered cannot wait at all. So:
 * Admission (``AdmissionController``): before an utterance starts, estimate its
   time-to-first-audio from the engine load (running / waiting counts, ``max_num_seqs``) and a
   step-time model fed with observations (``StepTimeEstimator``). If it cannot start within
-  ``ttfa_target_ms``, refuse with error code ``overloaded`` (``OVERLOADED_CODE``) and a
+  ``ttfa_target_ms``, refuse with error code ``engine_overloaded`` (``OVERLOADED_CODE``) and a
   ``retry_after_ms`` hint. An idle engine always admits, and a refusal needs the estimate to
   exceed both the target and ``idle_slack`` x the idle estimate (a slow machine that cannot
   meet the target even idle degrades latency instead of refusing everyone).
@@ -57,12 +57,14 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from voicegw.config import SchedulerConfig
 
-#: Error code of an admission refusal (gateway ``error`` message ``code``).
-OVERLOADED_CODE = "overloaded"
+#: Error code of an admission refusal: the gateway's ``error`` message ``code``
+#: (``gateway.protocol.ErrorCode.ENGINE_OVERLOADED``; a test keeps them equal).
+OVERLOADED_CODE = "engine_overloaded"
 
 #: Priority of the first segment of an utterance.
 FIRST_SEGMENT_PRIORITY = 0
@@ -149,6 +151,15 @@ class SchedulingPolicy:
         bucket = 1 + int((buffered_ms - cfg.urgent_buffer_ms) // cfg.bucket_ms)
         return min(URGENT_PRIORITY + bucket, cfg.priority_levels)
 
+    def priority_fn(self) -> Callable[[bool, float], int]:
+        """The gateway's ``PriorityFn`` signature (``gateway/priority.py``):
+        ``fn(first_in_utterance, client_buffered_ms) -> priority``."""
+
+        def fn(first_in_utterance: bool, client_buffered_ms: float) -> int:
+            return self.segment_priority(0 if first_in_utterance else 1, client_buffered_ms)
+
+        return fn
+
     def reevaluate(self, phase: RequestPhase, current_priority: int, new_priority: int) -> Reevaluation:
         """Should a segment's priority change now that its stream's buffer changed?
 
@@ -160,6 +171,12 @@ class SchedulingPolicy:
         if phase is RequestPhase.WAITING and current_priority - new_priority >= self.promote_levels:
             return Reevaluation.RESUBMIT
         return Reevaluation.KEEP
+
+
+def make_priority_fn(config: SchedulerConfig | None = None) -> Callable[[bool, float], int]:
+    """What the gateway session takes as its priority function (drop-in for
+    ``gateway.priority.default_priority_fn``)."""
+    return SchedulingPolicy(config).priority_fn()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from engine.scheduler import (
     SchedulingPolicy,
     StepTimeEstimator,
     client_buffered_ms,
+    make_priority_fn,
 )
 from voicegw.config import SchedulerConfig
 
@@ -220,7 +221,7 @@ def test_full_batch_queue_wait_and_refusal() -> None:
     expected = 9 * 100.0 / 8 * 20.0 + 7 * 20.0 + 10.0
     assert ac.estimate_ttfa_ms(load) == pytest.approx(expected)
     d = ac.decide(load)
-    assert not d.admit and d.code == OVERLOADED_CODE == "overloaded"
+    assert not d.admit and d.code == OVERLOADED_CODE == "engine_overloaded"
     assert d.retry_after_ms >= expected - 500.0
     assert "ms" in d.reason
 
@@ -260,3 +261,21 @@ def test_admission_learns_from_observations() -> None:
     assert not ac.decide(load).admit
     ac.observe_decode_ms(50.0)
     assert ac.decode_ms > 10.0
+
+
+def test_overloaded_code_matches_wire_protocol() -> None:
+    protocol = pytest.importorskip("gateway.protocol")
+    assert OVERLOADED_CODE == protocol.ErrorCode.ENGINE_OVERLOADED.value
+
+
+def test_priority_fn_has_the_gateway_signature() -> None:
+    fn = make_priority_fn(CFG)
+    assert fn(True, 5_000.0) == 0
+    assert fn(False, 0.0) == URGENT_PRIORITY
+    assert fn(False, 900.0) == SchedulingPolicy(CFG).segment_priority(1, 900.0)
+    gp = pytest.importorskip("gateway.priority")
+    ref = gp.default_priority_fn(CFG)
+    for first in (True, False):
+        for ms in (0.0, 299.0, 1_000.0, 1e6):
+            assert 0 <= fn(first, ms) <= CFG.priority_levels
+            assert (fn(first, ms) == 0) == (ref(first, ms) == 0)
