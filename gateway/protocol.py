@@ -1,0 +1,416 @@
+"""voicegw wire protocol v1: message types, field schemas, error and close codes, audio header.
+
+Pure: no sockets, no asyncio. ``docs/protocol.md`` documents everything here; a test keeps the
+two in sync (every enum value appears in the document).
+
+Text frames carry one JSON object each (``{"type": ..., ...}``); binary frames (server to client
+only) carry audio: a 16-byte little-endian header (``AUDIO_HEADER``) followed by samples.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeAlias
+
+import orjson
+
+PROTOCOL_VERSION: Final = 1
+#: WebSocket subprotocol naming the protocol version; the server always selects it.
+SUBPROTOCOL: Final = "voicegw.v1"
+#: Subprotocol carrying a bearer token (browsers cannot set an Authorization header).
+TOKEN_SUBPROTOCOL_PREFIX: Final = "voicegw.token."
+#: HTTP path of the WebSocket endpoint.
+WS_PATH: Final = "/ws"
+#: Sample rates a client may ask for.
+SUPPORTED_SAMPLE_RATES_HZ: Final = (8_000, 16_000, 24_000, 48_000)
+DEFAULT_SAMPLE_RATE_HZ: Final = 24_000
+#: Longest ``id`` a client may attach to a message (echoed in replies).
+MAX_ID_CHARS: Final = 64
+
+
+class ClientType(enum.StrEnum):
+    """Messages a client sends (JSON text frames)."""
+
+    SESSION_START = "session.start"
+    TEXT_DELTA = "text.delta"
+    TEXT_FLUSH = "text.flush"
+    TEXT_END = "text.end"
+    CANCEL = "cancel"
+    PLAYBACK = "playback"
+    PING = "ping"
+
+
+class ServerType(enum.StrEnum):
+    """Messages the server sends (JSON text frames; audio goes in binary frames)."""
+
+    SESSION_STARTED = "session.started"
+    SEGMENT_STARTED = "segment.started"
+    SEGMENT_DONE = "segment.done"
+    UTTERANCE_DONE = "utterance.done"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+    PONG = "pong"
+
+
+class AudioFormat(enum.StrEnum):
+    PCM16 = "pcm16"
+    """Signed 16-bit little-endian mono samples."""
+    MULAW = "mulaw"
+    """G.711 mu-law, one byte per sample."""
+
+    @property
+    def wire_code(self) -> int:
+        return _FORMAT_CODES[self]
+
+    @property
+    def bytes_per_sample(self) -> int:
+        return 2 if self is AudioFormat.PCM16 else 1
+
+
+_FORMAT_CODES: dict[AudioFormat, int] = {AudioFormat.PCM16: 0, AudioFormat.MULAW: 1}
+
+
+class UtteranceStatus(enum.StrEnum):
+    """``status`` of ``utterance.done``."""
+
+    OK = "ok"
+    ERROR = "error"
+
+
+class ErrorCode(enum.StrEnum):
+    """``code`` of the ``error`` message. The message text is fixed per code (ERROR_MESSAGES)."""
+
+    INVALID_JSON = "invalid_json"
+    INVALID_MESSAGE = "invalid_message"
+    UNKNOWN_TYPE = "unknown_type"
+    INVALID_FIELD = "invalid_field"
+    BINARY_NOT_ALLOWED = "binary_not_allowed"
+    SESSION_NOT_STARTED = "session_not_started"
+    SESSION_ALREADY_STARTED = "session_already_started"
+    TEXT_TOO_LONG = "text_too_long"
+    RATE_LIMITED = "rate_limited"
+    QUEUE_FULL = "queue_full"
+    SHUTTING_DOWN = "shutting_down"
+    ENGINE_OVERLOADED = "engine_overloaded"
+    ENGINE_ERROR = "engine_error"
+    ENGINE_UNAVAILABLE = "engine_unavailable"
+    INTERNAL_ERROR = "internal_error"
+
+
+#: The one text a client ever sees per error code (never exception text).
+ERROR_MESSAGES: Final[dict[ErrorCode, str]] = {
+    ErrorCode.INVALID_JSON: "message is not valid JSON",
+    ErrorCode.INVALID_MESSAGE: 'message must be a JSON object with a string "type"',
+    ErrorCode.UNKNOWN_TYPE: "unknown message type",
+    ErrorCode.INVALID_FIELD: "a field is missing, unknown, of the wrong type or out of range",
+    ErrorCode.BINARY_NOT_ALLOWED: "binary messages are not accepted from clients",
+    ErrorCode.SESSION_NOT_STARTED: "send session.start first",
+    ErrorCode.SESSION_ALREADY_STARTED: "session already started",
+    ErrorCode.TEXT_TOO_LONG: "utterance text over the limit; the delta was dropped",
+    ErrorCode.RATE_LIMITED: "text rate over the limit; the delta was dropped",
+    ErrorCode.QUEUE_FULL: "too many utterances waiting to be spoken; the delta was dropped",
+    ErrorCode.SHUTTING_DOWN: "server is shutting down; no new utterances",
+    ErrorCode.ENGINE_OVERLOADED: "speech engine at capacity; the utterance was stopped",
+    ErrorCode.ENGINE_ERROR: "speech engine failed on this utterance; the utterance was stopped",
+    ErrorCode.ENGINE_UNAVAILABLE: "speech engine unavailable; the session is closed",
+    ErrorCode.INTERNAL_ERROR: "internal error; the session is closed",
+}
+
+#: Errors after which the server closes the session (all others leave it usable).
+FATAL_ERRORS: Final = frozenset({ErrorCode.ENGINE_UNAVAILABLE, ErrorCode.INTERNAL_ERROR})
+
+
+class CloseCode(enum.IntEnum):
+    """WebSocket close codes the server uses (RFC 6455 numbers)."""
+
+    NORMAL = 1000
+    """Client closed, or the session was idle (reason ``idle``)."""
+    GOING_AWAY = 1001
+    """Server shutting down."""
+    PROTOCOL_ERROR = 1002
+    """Invalid WebSocket framing (closed by the websockets library)."""
+    INVALID_DATA = 1007
+    """Text frame that is not UTF-8 (closed by the websockets library)."""
+    POLICY_VIOLATION = 1008
+    """Slow reader, message flood or text-rate abuse (see reason)."""
+    MESSAGE_TOO_BIG = 1009
+    """Message over ``limits.max_message_bytes`` (closed before the payload is read)."""
+    INTERNAL_ERROR = 1011
+    """Speech engine unavailable or internal error."""
+    TRY_AGAIN_LATER = 1013
+    """Over ``limits.max_sessions``."""
+
+
+class CloseReason(enum.StrEnum):
+    """``reason`` strings sent with a close code."""
+
+    IDLE = "idle"
+    SHUTDOWN = "server shutting down"
+    SLOW_READER = "slow reader"
+    MESSAGE_FLOOD = "message flood"
+    RATE_LIMIT = "text rate abuse"
+    ENGINE_UNAVAILABLE = "engine unavailable"
+    INTERNAL_ERROR = "internal error"
+    OVER_CAPACITY = "over capacity"
+
+
+# --------------------------------------------------------------------------------------------
+# Binary audio frames (server -> client)
+
+#: version u8, format u8 (0 pcm16, 1 mulaw), segment index u16, utterance id u32,
+#: sequence number u32 (per utterance, from 0), sample offset u32 (first sample of this frame
+#: within its utterance). Payload follows: samples in the session's format and rate.
+AUDIO_HEADER: Final = struct.Struct("<BBHIII")
+AUDIO_HEADER_BYTES: Final = AUDIO_HEADER.size  # 16
+AUDIO_FRAME_VERSION: Final = 1
+
+
+@dataclass(frozen=True)
+class AudioFrameHeader:
+    utterance_id: int
+    seq: int
+    sample_offset: int
+    segment: int
+    format: AudioFormat = AudioFormat.PCM16
+    version: int = AUDIO_FRAME_VERSION
+
+
+def pack_audio_frame(header: AudioFrameHeader, payload: bytes) -> bytes:
+    return (
+        AUDIO_HEADER.pack(
+            header.version,
+            header.format.wire_code,
+            header.segment & 0xFFFF,
+            header.utterance_id & 0xFFFFFFFF,
+            header.seq & 0xFFFFFFFF,
+            header.sample_offset & 0xFFFFFFFF,
+        )
+        + payload
+    )
+
+
+def unpack_audio_frame(data: bytes) -> tuple[AudioFrameHeader, bytes]:
+    """Split a binary frame into header and payload. Raises ValueError when malformed."""
+    if len(data) < AUDIO_HEADER_BYTES:
+        raise ValueError("audio frame shorter than its header")
+    version, fmt, segment, utt, seq, offset = AUDIO_HEADER.unpack_from(data)
+    if version != AUDIO_FRAME_VERSION:
+        raise ValueError(f"unknown audio frame version {version}")
+    formats = {v: k for k, v in _FORMAT_CODES.items()}
+    if fmt not in formats:
+        raise ValueError(f"unknown audio format code {fmt}")
+    header = AudioFrameHeader(
+        utterance_id=utt, seq=seq, sample_offset=offset, segment=segment, format=formats[fmt]
+    )
+    return header, data[AUDIO_HEADER_BYTES:]
+
+
+# --------------------------------------------------------------------------------------------
+# Client messages: schema and parsing
+
+JsonScalar: TypeAlias = str | int | float | bool | None
+
+
+class ProtocolError(Exception):
+    """A client message was refused. ``str()`` is never sent; clients get ERROR_MESSAGES[code]."""
+
+    def __init__(self, code: ErrorCode, field: str | None = None, msg_id: JsonScalar = None):
+        super().__init__(code.value if field is None else f"{code.value}: {field}")
+        self.code = code
+        self.field = field
+        self.msg_id = msg_id
+
+
+class Kind(enum.Enum):
+    STR = "string"
+    INT = "integer"
+    NUMBER = "number"
+    OBJECT = "object"
+    STR_OR_INT = "string or integer"
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One field of a client message."""
+
+    name: str
+    kind: Kind
+    required: bool = False
+    min: float | None = None
+    max: float | None = None
+    max_len: int | None = None
+    choices: tuple[Any, ...] | None = None
+    doc: str = ""
+
+    def check(self, value: Any) -> bool:
+        k = self.kind
+        if isinstance(value, bool):
+            return False
+        if k is Kind.STR or (k is Kind.STR_OR_INT and isinstance(value, str)):
+            if not isinstance(value, str):
+                return False
+            if self.max_len is not None and len(value) > self.max_len:
+                return False
+        elif k is Kind.INT or k is Kind.STR_OR_INT:
+            if not isinstance(value, int):
+                return False
+        elif k is Kind.NUMBER:
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                return False
+        elif k is Kind.OBJECT:
+            if not isinstance(value, dict):
+                return False
+        if isinstance(value, (int, float)):
+            if self.min is not None and value < self.min:
+                return False
+            if self.max is not None and value > self.max:
+                return False
+        if self.choices is not None and value not in self.choices:
+            return False
+        return True
+
+
+_ID = FieldSpec("id", Kind.STR_OR_INT, max_len=MAX_ID_CHARS, min=-(2**53), max=2**53,
+                doc="optional; echoed in the error/pong it causes")
+_U53 = float(2**53)
+
+#: Fields of ``session.start``'s ``options`` object.
+OPTION_FIELDS: Final[tuple[FieldSpec, ...]] = (
+    FieldSpec("temperature", Kind.NUMBER, min=0.0, max=2.0, doc="sampling temperature (0 = greedy)"),
+    FieldSpec("top_p", Kind.NUMBER, min=0.01, max=1.0, doc="nucleus mass"),
+    FieldSpec("top_k", Kind.INT, min=1, max=1000, doc="top-k"),
+    FieldSpec("seed", Kind.INT, min=0, max=2**31 - 1, doc="sampling seed (reproducible audio)"),
+)
+
+SCHEMAS: Final[dict[ClientType, tuple[FieldSpec, ...]]] = {
+    ClientType.SESSION_START: (
+        _ID,
+        FieldSpec("voice", Kind.STR_OR_INT, max_len=65_536, min=0, max=2**31 - 1,
+                  doc="speaker: int seed or encoded speaker embedding; default: server's voice"),
+        FieldSpec("sample_rate", Kind.INT, choices=SUPPORTED_SAMPLE_RATES_HZ, doc="Hz; default 24000"),
+        FieldSpec("format", Kind.STR, choices=tuple(AudioFormat), doc="pcm16 (default) or mulaw"),
+        FieldSpec("language", Kind.STR, max_len=16, doc="BCP-47 tag, e.g. en, zh; informs segmentation"),
+        FieldSpec("options", Kind.OBJECT, doc="sampling options (see OPTION_FIELDS)"),
+    ),
+    ClientType.TEXT_DELTA: (
+        _ID,
+        FieldSpec("text", Kind.STR, required=True, doc="next piece of the utterance's text, any size"),
+    ),
+    ClientType.TEXT_FLUSH: (_ID,),
+    ClientType.TEXT_END: (_ID,),
+    ClientType.CANCEL: (
+        _ID,
+        FieldSpec("played_samples", Kind.INT, min=0, max=_U53,
+                  doc="client's played-sample counter at the moment it stopped playback"),
+    ),
+    ClientType.PLAYBACK: (
+        _ID,
+        FieldSpec("played_samples", Kind.INT, required=True, min=0, max=_U53,
+                  doc="samples played since session start (cumulative, real audio only)"),
+        FieldSpec("buffered_ms", Kind.NUMBER, min=0, max=_U53, doc="audio queued at the client"),
+        FieldSpec("underruns", Kind.INT, min=0, max=_U53, doc="cumulative underrun count"),
+        FieldSpec("output_latency_ms", Kind.NUMBER, min=0, max=60_000, doc="device output latency"),
+    ),
+    ClientType.PING: (_ID, FieldSpec("t", Kind.NUMBER, doc="client timestamp, echoed in pong")),
+}
+
+
+@dataclass(frozen=True)
+class ClientMessage:
+    """A validated client message: its type and its fields (only schema fields, validated)."""
+
+    type: ClientType
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def id(self) -> JsonScalar:
+        v = self.fields.get("id")
+        return v if isinstance(v, (str, int)) else None
+
+
+def _validate_fields(specs: tuple[FieldSpec, ...], obj: dict[str, Any], prefix: str,
+                     msg_id: JsonScalar) -> dict[str, Any]:
+    by_name = {s.name: s for s in specs}
+    out: dict[str, Any] = {}
+    for key, value in obj.items():
+        if key == "type" and not prefix:
+            continue
+        spec = by_name.get(key)
+        if spec is None or not spec.check(value):
+            raise ProtocolError(ErrorCode.INVALID_FIELD, prefix + key, msg_id)
+        out[key] = value
+    for spec in specs:
+        if spec.required and spec.name not in obj:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, prefix + spec.name, msg_id)
+    return out
+
+
+def parse_client_message(data: str | bytes) -> ClientMessage:
+    """Parse and validate one client text frame. Raises ``ProtocolError``."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raise ProtocolError(ErrorCode.INVALID_JSON) from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
+        raise ProtocolError(ErrorCode.INVALID_MESSAGE)
+    raw_id = obj.get("id")
+    msg_id: JsonScalar = raw_id if _ID.check(raw_id) else None
+    try:
+        mtype = ClientType(obj["type"])
+    except ValueError:
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, None, msg_id) from None
+    fields = _validate_fields(SCHEMAS[mtype], obj, "", msg_id)
+    if mtype is ClientType.SESSION_START and "options" in fields:
+        fields["options"] = _validate_fields(OPTION_FIELDS, fields["options"], "options.", msg_id)
+    return ClientMessage(mtype, fields)
+
+
+# --------------------------------------------------------------------------------------------
+# Server messages
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """Serialize a server message (send it as a TEXT frame: ``send(data, text=True)``)."""
+    return orjson.dumps(message)
+
+
+def error_message(code: ErrorCode, *, field: str | None = None, msg_id: JsonScalar = None,
+                  utterance_id: int | None = None) -> dict[str, Any]:
+    msg: dict[str, Any] = {
+        "type": ServerType.ERROR.value,
+        "code": code.value,
+        "message": ERROR_MESSAGES[code],
+        "fatal": code in FATAL_ERRORS,
+    }
+    if field is not None:
+        msg["field"] = field
+    if msg_id is not None:
+        msg["id"] = msg_id
+    if utterance_id is not None:
+        msg["utterance_id"] = utterance_id
+    return msg
+
+
+def wire_constants() -> dict[str, Any]:
+    """Everything a client implementation needs to agree on (served at ``/protocol.json``)."""
+    return {
+        "version": PROTOCOL_VERSION,
+        "subprotocol": SUBPROTOCOL,
+        "token_subprotocol_prefix": TOKEN_SUBPROTOCOL_PREFIX,
+        "ws_path": WS_PATH,
+        "client_types": {m.name: m.value for m in ClientType},
+        "server_types": {m.name: m.value for m in ServerType},
+        "formats": {m.value: m.wire_code for m in AudioFormat},
+        "sample_rates_hz": list(SUPPORTED_SAMPLE_RATES_HZ),
+        "error_codes": {m.name: m.value for m in ErrorCode},
+        "close_codes": {m.name: m.value for m in CloseCode},
+        "audio_header": {
+            "bytes": AUDIO_HEADER_BYTES,
+            "version": AUDIO_FRAME_VERSION,
+            "layout": "<BBHIII: version u8, format u8, segment u16, utterance_id u32, seq u32, "
+            "sample_offset u32 (little-endian)",
+        },
+    }

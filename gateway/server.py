@@ -1,0 +1,602 @@
+"""The I/O edge: the only module touching sockets, HTTP and asyncio tasks.
+
+One port serves the WebSocket endpoint (``/ws``), the browser demo and static files (from
+``clients/web/``), ``/healthz``, ``/metrics`` and ``/protocol.json``. All decisions live in the
+pure cores (``session.Session``, ``flow``, ``segmenter``); this module feeds them events and carries
+out their actions:
+
+* per connection: a reader loop (frames -> session), a writer task (bounded outbound queue ->
+  socket, each send bounded by ``send_timeout_ms``), one reader task per engine stream that pulls
+  the engine's iterator only while the session allows it, and one timer.
+* at the door (``process_request``): routes, Origin allow-list (403), bearer token (401), session
+  cap (503), protocol version (400).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import email.utils
+import hmac
+import logging
+import mimetypes
+import secrets
+import socket
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import orjson
+from websockets.asyncio.server import Server, ServerConnection
+from websockets.asyncio.server import serve as ws_serve
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+from websockets.protocol import State
+from websockets.typing import Subprotocol
+
+from engine.api import EngineError, EngineErrorKind, EngineOverloaded, SpeechEngine, SpeechRequest
+from gateway import protocol as P
+from gateway.flow import WaterMarks
+from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from gateway.metrics import GatewayMetrics
+from gateway.priority import PriorityFn
+from gateway.session import (
+    AbortStream,
+    Action,
+    Close,
+    EngineFailure,
+    SendAudio,
+    SendMessage,
+    Session,
+    SessionSettings,
+    StartStream,
+    TtfaParts,
+)
+from voicegw.config import Config
+
+log = logging.getLogger("voicegw.gateway")
+
+_CONTENT_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".mjs": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".json": "application/json",
+    ".map": "application/json",
+    ".svg": "image/svg+xml",
+    ".wasm": "application/wasm",
+    ".txt": "text/plain; charset=utf-8",
+    ".wav": "audio/wav",
+}
+_MAX_STATIC_BYTES = 8 * 1024 * 1024
+_CLOSE_WAIT_S = 1.0
+"""How long a close handshake may take before the transport is aborted."""
+_ABORT_WAIT_S = 2.0
+"""How long a closing connection waits for the engine to confirm aborts."""
+
+
+def default_static_dir() -> Path:
+    import clients
+
+    return Path(clients.__file__).resolve().parent / "web"
+
+
+def _response(status: int, body: bytes, content_type: str, headers: list[tuple[str, str]] | None = None,
+              ) -> Response:
+    import http
+
+    st = http.HTTPStatus(status)
+    hdrs = Headers([
+        ("Date", email.utils.formatdate(usegmt=True)),
+        ("Connection", "close"),
+        ("Content-Length", str(len(body))),
+        ("Content-Type", content_type),
+        ("Cache-Control", "no-cache"),
+        ("X-Content-Type-Options", "nosniff"),
+    ])
+    for k, v in headers or []:
+        hdrs[k] = v
+    return Response(st.value, st.phrase, hdrs, body)
+
+
+def _text(status: int, text: str, headers: list[tuple[str, str]] | None = None) -> Response:
+    return _response(status, (text + "\n").encode(), "text/plain; charset=utf-8", headers)
+
+
+@dataclass
+class _Runner:
+    task: asyncio.Task[None]
+    gate: asyncio.Event
+
+
+@dataclass
+class _Out:
+    data: bytes
+    text: bool
+    ttfa: TtfaParts | None = None
+
+
+class GatewayServer:
+    """The gateway on one port. ``await start()``, then ``await shutdown()``."""
+
+    def __init__(
+        self,
+        config: Config,
+        engine: SpeechEngine,
+        *,
+        static_dir: Path | None = None,
+        metrics: GatewayMetrics | None = None,
+        settings: SessionSettings | None = None,
+        priority_fn: PriorityFn | None = None,
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.static_dir = (static_dir or default_static_dir()).resolve()
+        self.metrics = metrics or GatewayMetrics()
+        self.settings = settings or SessionSettings.from_config(config, engine_name=engine.name)
+        self.priority_fn = priority_fn
+        self.connections: set[_Connection] = set()
+        self.draining = False
+        self._ws: Server | None = None
+        self._no_connections = asyncio.Event()
+        self.port = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        g = self.config.gateway
+        self._ws = await ws_serve(
+            self._handler,
+            g.host,
+            g.port,
+            process_request=self._process_request,
+            select_subprotocol=self._select_subprotocol,
+            compression=None,
+            max_size=self.config.limits.max_message_bytes,
+            max_queue=16,
+            write_limit=g.write_limit_bytes,
+            ping_interval=g.ping_interval_s,
+            ping_timeout=g.ping_timeout_s,
+            open_timeout=g.open_timeout_s,
+            close_timeout=_CLOSE_WAIT_S,
+            server_header="voicegw",
+        )
+        sock = self._ws.sockets[0]
+        self.port = sock.getsockname()[1]
+        log.info("gateway listening on http://%s:%d (engine %s)", g.host, self.port, self.engine.name)
+
+    @property
+    def url(self) -> str:
+        host = self.config.gateway.host
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return "ws" + self.url[4:] + P.WS_PATH
+
+    async def shutdown(self, grace_s: float | None = None, force: asyncio.Event | None = None) -> None:
+        """Stop accepting; let utterances finish up to ``grace_s``; then close 1001."""
+        if self._ws is None:
+            return
+        grace = self.config.gateway.shutdown_grace_s if grace_s is None else grace_s
+        log.info("shutting down: %d sessions, grace %.1f s", len(self.connections), grace)
+        self.draining = True
+        self._ws.close(close_connections=False)  # stop accepting; handshakes in flight get 503
+        for conn in list(self.connections):
+            conn.dispatch(conn.session.on_shutdown)
+        waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(self._all_closed())]
+        if force is not None:
+            waiters.append(asyncio.ensure_future(force.wait()))
+        await asyncio.wait(waiters, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+        for w in waiters:
+            w.cancel()
+        for conn in list(self.connections):
+            conn.dispatch(conn.session.on_shutdown_deadline)
+        try:
+            async with asyncio.timeout(_CLOSE_WAIT_S + _ABORT_WAIT_S + 1.0):
+                await self._ws.wait_closed()
+        except TimeoutError:
+            for conn in list(self.connections):
+                conn.ws.transport.abort()
+        self._ws = None
+        log.info("gateway stopped")
+
+    async def _all_closed(self) -> None:
+        if self.connections:
+            await self._no_connections.wait()
+
+    # ---- the door -----------------------------------------------------------------------
+
+    def _select_subprotocol(self, conn: ServerConnection, offered: Any) -> Subprotocol | None:
+        return Subprotocol(P.SUBPROTOCOL) if P.SUBPROTOCOL in offered else None
+
+    def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
+        parts = urlsplit(request.path)
+        path = parts.path
+        upgrade = "websocket" in request.headers.get("Upgrade", "").lower()
+        if request.method != "GET":
+            return _text(405, "method not allowed", [("Allow", "GET")])
+        if not upgrade:
+            return self._http(path)
+        if path != P.WS_PATH:
+            return _text(404, "not found")
+        if self.draining:
+            self.metrics.rejected.labels("shutdown").inc()
+            return _text(503, "server is shutting down", [("Retry-After", "5")])
+        if not self._origin_ok(request.headers):
+            self.metrics.rejected.labels("origin").inc()
+            return _text(403, "origin not allowed")
+        offered = [p.strip() for h in request.headers.get_all("Sec-WebSocket-Protocol") for p in h.split(",")]
+        if not self._auth_ok(request.headers, offered, parts.query):
+            self.metrics.rejected.labels("auth").inc()
+            return _text(401, "missing or invalid token", [("WWW-Authenticate", 'Bearer realm="voicegw"')])
+        versions = [p for p in offered if p.startswith("voicegw.v")]
+        if versions and P.SUBPROTOCOL not in versions:
+            self.metrics.rejected.labels("version").inc()
+            return _text(400, f"unsupported protocol version; this server speaks {P.SUBPROTOCOL}")
+        if len(self.connections) >= self.config.limits.max_sessions:
+            self.metrics.rejected.labels("capacity").inc()
+            return _text(503, "too many sessions", [("Retry-After", "1")])
+        return None
+
+    def _origin_ok(self, headers: Headers) -> bool:
+        origin = headers.get("Origin")
+        if origin is None:
+            return True  # not a browser: nothing to defend (auth still applies)
+        allowed = self.config.gateway.allowed_origins
+        if "*" in allowed:
+            return True
+        if allowed:
+            return origin.rstrip("/") in {a.rstrip("/") for a in allowed}
+        try:
+            o = urlsplit(origin)
+        except ValueError:
+            return False
+        if o.scheme not in ("http", "https") or not o.hostname:
+            return False
+        host_header = headers.get("Host", "")
+        if o.netloc.lower() == host_header.lower():
+            return True
+        local = {"localhost", "127.0.0.1", "::1", self.config.gateway.host.lower()}
+        return o.hostname.lower() in local and (o.port or (443 if o.scheme == "https" else 80)) == self.port
+
+    def _auth_ok(self, headers: Headers, offered: list[str], query: str) -> bool:
+        tokens = self.config.gateway.auth_tokens
+        if not tokens:
+            return True
+        candidates: list[str] = []
+        auth = headers.get("Authorization", "")
+        if auth[:7].lower() == "bearer ":
+            candidates.append(auth[7:].strip())
+        candidates += [p[len(P.TOKEN_SUBPROTOCOL_PREFIX):] for p in offered
+                       if p.startswith(P.TOKEN_SUBPROTOCOL_PREFIX)]
+        candidates += parse_qs(query).get("token", [])
+        ok = False
+        for c in candidates:
+            for t in tokens:
+                ok |= hmac.compare_digest(c.encode(), t.encode())
+        return ok
+
+    def _http(self, path: str) -> Response:
+        if path == "/healthz":
+            return self._healthz()
+        if path == "/metrics":
+            self.metrics.engine_running.set(self._engine_health_running())
+            return _response(200, self.metrics.render(), METRICS_CONTENT_TYPE)
+        if path == "/protocol.json":
+            return _response(200, orjson.dumps(P.wire_constants()), "application/json")
+        if path == P.WS_PATH:
+            return _text(426, "WebSocket upgrade required", [("Upgrade", "websocket")])
+        return self._static(path)
+
+    def _engine_health_running(self) -> int:
+        try:
+            return self.engine.health().running_requests
+        except Exception:
+            return -1
+
+    def _healthz(self) -> Response:
+        try:
+            h = self.engine.health()
+            body: dict[str, Any] = {
+                "engine": h.name,
+                "healthy": bool(h.healthy) and not self.draining,
+                "engine_healthy": bool(h.healthy),
+                "running_requests": h.running_requests,
+                "sessions": len(self.connections),
+                "draining": self.draining,
+            }
+        except Exception:
+            log.exception("engine health failed")
+            body = {"engine": self.engine.name, "healthy": False, "engine_healthy": False,
+                    "sessions": len(self.connections), "draining": self.draining}
+        return _response(200 if body["healthy"] else 503, orjson.dumps(body), "application/json")
+
+    def _static(self, path: str) -> Response:
+        rel = path.lstrip("/") or "index.html"
+        if rel.endswith("/"):
+            rel += "index.html"
+        try:
+            target = (self.static_dir / rel).resolve()
+        except (OSError, ValueError):
+            return _text(404, "not found")
+        if not target.is_relative_to(self.static_dir) or not target.is_file():
+            return _text(404, "not found")
+        try:
+            if target.stat().st_size > _MAX_STATIC_BYTES:
+                return _text(404, "not found")
+            body = target.read_bytes()
+        except OSError:
+            return _text(404, "not found")
+        ctype = _CONTENT_TYPES.get(target.suffix.lower()) or mimetypes.guess_type(target.name)[0] \
+            or "application/octet-stream"
+        return _response(200, body, ctype)
+
+    # ---- connections --------------------------------------------------------------------
+
+    async def _handler(self, ws: ServerConnection) -> None:
+        if len(self.connections) >= self.config.limits.max_sessions or self.draining:
+            code = P.CloseCode.GOING_AWAY if self.draining else P.CloseCode.TRY_AGAIN_LATER
+            reason = P.CloseReason.SHUTDOWN if self.draining else P.CloseReason.OVER_CAPACITY
+            self.metrics.closes.labels(str(int(code))).inc()
+            await ws.close(code, reason)
+            return
+        conn = _Connection(self, ws)
+        self.connections.add(conn)
+        self._no_connections.clear()
+        self.metrics.sessions.set(len(self.connections))
+        self.metrics.sessions_total.inc()
+        try:
+            await conn.run()
+        finally:
+            self.connections.discard(conn)
+            if not self.connections:
+                self._no_connections.set()
+            self.metrics.sessions.set(len(self.connections))
+            self.metrics.closes.labels(str(ws.close_code or 1006)).inc()
+
+
+class _Connection:
+    def __init__(self, server: GatewayServer, ws: ServerConnection) -> None:
+        self.server = server
+        self.ws = ws
+        self.engine = server.engine
+        self.metrics = server.metrics
+        self.loop = asyncio.get_running_loop()
+        self.session = Session(
+            secrets.token_hex(6),
+            server.settings,
+            self.loop.time(),
+            priority_fn=server.priority_fn,
+            observer=server.metrics.observer(),
+        )
+        self.log = self.session.log
+        g = server.config.gateway
+        self.send_timeout_s = g.send_timeout_ms / 1000.0
+        self.marks = WaterMarks(high=g.write_limit_bytes, low=g.write_limit_bytes // 4)
+        # control messages bypass the water marks (bounded by the message rate limit); this cap
+        # catches anything else
+        self.hard_cap_bytes = 16 * g.write_limit_bytes + 1_048_576
+        self.outbound: deque[_Out] = deque()
+        self.out_bytes = 0
+        self.out_ready = asyncio.Event()
+        self.close_req: Close | None = None
+        self.runners: dict[str, _Runner] = {}
+        self.abort_tasks: set[asyncio.Task[None]] = set()
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at: float | None = None
+        self.done = False
+        with contextlib.suppress(Exception):
+            sock = ws.transport.get_extra_info("socket")
+            if sock is not None:
+                # bound kernel memory per connection too (Linux doubles the value)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, g.write_limit_bytes)
+
+    # ---- main loops ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self.log.info("connected from %s", self.ws.remote_address)
+        writer = asyncio.create_task(self._writer())
+        try:
+            async for message in self.ws:
+                if isinstance(message, str):
+                    self.dispatch(self.session.on_text_frame, message)
+                else:
+                    self.dispatch(self.session.on_binary_frame, bytes(message))
+        except ConnectionClosed:
+            pass
+        finally:
+            self.dispatch(self.session.on_disconnect)
+            self.done = True
+            self._cancel_timer()
+            for runner in self.runners.values():
+                runner.task.cancel()
+            tasks = [r.task for r in self.runners.values()] + list(self.abort_tasks)
+            if tasks:
+                await asyncio.wait(tasks, timeout=_ABORT_WAIT_S)
+            self.out_ready.set()
+            if not writer.done():
+                writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await writer
+            self.log.info("closed (code %s)", self.ws.close_code)
+
+    async def _writer(self) -> None:
+        ws = self.ws
+        while True:
+            while not self.outbound:
+                if self.close_req is not None or self.done:
+                    if self.close_req is not None:
+                        await self._close(self.close_req)
+                    return
+                self.out_ready.clear()
+                await self.out_ready.wait()
+            item = self.outbound.popleft()
+            try:
+                async with asyncio.timeout(self.send_timeout_s):
+                    await ws.send(item.data, text=item.text)
+            except TimeoutError:
+                self.outbound.clear()
+                self.out_bytes = 0
+                self.dispatch(self.session.on_slow_reader)
+                if self.close_req is not None:
+                    await self._close(self.close_req, abort=True)
+                return
+            except ConnectionClosed:
+                return
+            self.out_bytes -= len(item.data)
+            if item.ttfa is not None:
+                self.metrics.observe_ttfa(item.ttfa, self.loop.time())
+            if self.marks.update(self.out_bytes) is False:
+                self.dispatch(self.session.on_send_buffer, False)
+
+    async def _close(self, close: Close, abort: bool = False) -> None:
+        self.log.info("closing: %d %s", int(close.code), close.reason.value)
+        try:
+            async with asyncio.timeout(_CLOSE_WAIT_S):
+                await self.ws.close(int(close.code), close.reason.value)
+        except (TimeoutError, ConnectionClosed):
+            pass
+        except Exception:
+            self.log.exception("close failed")
+        if abort or self.ws.state is not State.CLOSED:
+            self.ws.transport.abort()
+
+    # ---- events into the session, actions out -------------------------------------------
+
+    def dispatch(self, fn: Callable[..., list[Action]], *args: Any) -> None:
+        """Run one session event and carry out its actions."""
+        try:
+            actions = fn(self.loop.time(), *args)
+        except Exception:
+            self.log.exception("session core failed")
+            actions = self.session.on_internal_error(self.loop.time())
+        self._apply(actions)
+
+    def _apply(self, actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, SendAudio):
+                self._enqueue(_Out(a.data, False, a.ttfa))
+                self.metrics.audio_sent.inc(a.samples / self.session.rate_hz)
+                self.metrics.frames_sent.inc()
+            elif isinstance(a, SendMessage):
+                self._enqueue(_Out(P.encode(a.message), True))
+            elif isinstance(a, StartStream):
+                self._start_stream(a.request)
+            elif isinstance(a, AbortStream):
+                self._abort_stream(a)
+            elif isinstance(a, Close):
+                if self.close_req is None:
+                    self.close_req = a
+                self.out_ready.set()
+        if not self.done:
+            self._sync_gates()
+            self._rearm_timer()
+
+    def _enqueue(self, item: _Out) -> None:
+        if self.close_req is not None:
+            return
+        self.outbound.append(item)
+        self.out_bytes += len(item.data)
+        self.out_ready.set()
+        if self.marks.update(self.out_bytes) is True:
+            self.session.on_send_buffer(self.loop.time(), True)
+        if self.out_bytes > self.hard_cap_bytes:
+            self.log.warning("outbound over %d bytes: slow reader", self.hard_cap_bytes)
+            self.outbound.clear()
+            self.out_bytes = 0
+            self._apply(self.session.on_slow_reader(self.loop.time()))
+
+    def _sync_gates(self) -> None:
+        now = self.loop.time()
+        for rid, runner in self.runners.items():
+            if self.session.may_pull(now, rid):
+                runner.gate.set()
+            else:
+                runner.gate.clear()
+
+    def _rearm_timer(self) -> None:
+        now = self.loop.time()
+        at = self.session.next_deadline_s(now)
+        if at == self.timer_at and self.timer is not None:
+            return
+        self._cancel_timer()
+        if at is not None:
+            self.timer_at = at
+            self.timer = self.loop.call_at(max(at, now + 0.001), self._on_timer)
+
+    def _cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = None
+        self.timer_at = None
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        self.timer_at = None
+        if not self.done:
+            self.dispatch(self.session.on_timer)
+
+    # ---- engine streams -----------------------------------------------------------------
+
+    def _start_stream(self, request: SpeechRequest) -> None:
+        gate = asyncio.Event()
+        task = asyncio.create_task(self._run_stream(request, gate), name=f"stream {request.request_id}")
+        self.runners[request.request_id] = _Runner(task, gate)
+
+    def _abort_stream(self, a: AbortStream) -> None:
+        runner = self.runners.pop(a.request_id, None)
+        if runner is not None:
+            runner.task.cancel()
+        if a.engine_running:
+            t = asyncio.create_task(self._engine_abort(a.request_id))
+            self.abort_tasks.add(t)
+            t.add_done_callback(self.abort_tasks.discard)
+
+    async def _engine_abort(self, request_id: str) -> None:
+        try:
+            await self.engine.abort(request_id)
+        except Exception:
+            self.log.exception("engine abort of %s failed", request_id)
+
+    async def _run_stream(self, request: SpeechRequest, gate: asyncio.Event) -> None:
+        rid = request.request_id
+        it = None
+        try:
+            it = self.engine.synthesize(request)
+            while True:
+                await gate.wait()
+                try:
+                    chunk = await anext(it)
+                except StopAsyncIteration:
+                    self.dispatch(self.session.on_stream_end, rid)
+                    return
+                self.dispatch(self.session.on_audio, rid, chunk)
+                if chunk.finished:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except EngineOverloaded:
+            self.log.warning("engine overloaded on %s", rid)
+            self.dispatch(self.session.on_engine_error, rid, EngineFailure.OVERLOADED)
+        except EngineError as exc:
+            self.log.error("engine error on %s: %s", rid, exc)
+            kind = EngineFailure.UNRECOVERABLE if exc.kind is EngineErrorKind.UNRECOVERABLE \
+                else EngineFailure.RECOVERABLE
+            self.dispatch(self.session.on_engine_error, rid, kind)
+        except Exception:
+            self.log.exception("engine stream %s failed", rid)
+            self.dispatch(self.session.on_engine_error, rid, EngineFailure.RECOVERABLE)
+        finally:
+            cur = self.runners.get(rid)
+            if cur is not None and cur.task is asyncio.current_task():
+                del self.runners[rid]
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()

@@ -1,0 +1,890 @@
+"""The session core: one client session as a pure state machine.
+
+It takes events (a text/binary frame arrived, the engine produced audio or failed, the client
+reported playback, a timer fired, the socket buffer filled/drained, the connection went away)
+and returns actions (start/abort an engine stream, send a message or an audio frame, close).
+No asyncio, no sockets: ``gateway/server.py`` carries the actions out and feeds events back.
+Time comes in as ``now_s`` (monotonic seconds).
+
+Audio path: text -> Segmenter (per utterance) -> at most ``max_in_flight`` engine streams in
+text order -> each stream holds at most ``prefetch`` of pulled audio -> the head stream's audio is
+cut into frames and sent while FlowControl gives credit. The server pulls a stream's engine
+iterator only while ``may_pull`` is true, so a client that does not play stops the decoding.
+
+Utterances are spoken one after the other: an utterance opens with the first non-empty
+``text.delta`` and closes with ``text.end``; the next one may arrive while the previous one is
+still being spoken, and plays after it. ``cancel`` stops everything.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from engine.api import AudioChunk, SamplingParams, SpeechRequest
+from gateway import protocol as P
+from gateway.audio import encode_samples
+from gateway.flow import FlowConfig, FlowControl
+from gateway.priority import PriorityFn, default_priority_fn
+from gateway.segmenter import Segmenter, SegmenterConfig, is_cjk, is_speakable, text_units
+from voicegw.config import Config, LimitsConfig, SchedulerConfig
+
+_log = logging.getLogger("voicegw.session")
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """Everything a session needs to know, read once from the Config."""
+
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    segmenter: SegmenterConfig = field(default_factory=SegmenterConfig)
+    engine_name: str = "unknown"
+    max_in_flight: int = 2
+    """Engine requests (segments) generating at once per session; the next segment is submitted
+    while the current one is still speaking, so sentences follow without gaps."""
+    frame_ms: float = 40.0
+    """Longest audio frame sent."""
+    prefetch_ms: float = 1_000.0
+    """Audio a stream may hold pulled-but-unsent (capped at the flow window)."""
+    stale_report_ms: float = 1_500.0
+    """FlowConfig.stale_report_ms."""
+    playback_report_interval_ms: float = 250.0
+    """Advertised to clients: how often to send ``playback``."""
+    rate_strikes_to_close: float = 10.0
+    """Refused (rate-limited) deltas, decaying one per second, after which the session closes 1008."""
+    history_utterances: int = 4
+    """Finished utterances kept for ``cancelled`` accounting (audio may still be playing)."""
+    est_ms_per_unit: float = 70.0
+    """Speaking time per text unit, to place the playhead inside a segment still generating."""
+
+    @classmethod
+    def from_config(cls, config: Config, engine_name: str, **overrides: Any) -> SessionSettings:
+        return cls(limits=config.limits, scheduler=config.scheduler, engine_name=engine_name, **overrides)
+
+
+# ---- actions ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TtfaParts:
+    """Time to first audio of one utterance, split where it is spent (seconds)."""
+
+    first_text_s: float
+    """Absolute time the utterance's first text arrived."""
+    text_wait_s: float
+    """First text -> the first segment was ready (boundary or timer)."""
+    queue_s: float
+    """Ready -> submitted to the engine (waiting for an earlier utterance or a slot)."""
+    engine_s: float
+    """Submitted -> first audio from the engine."""
+    first_chunk_s: float
+    """Absolute time of the first audio chunk; the server measures ``send`` from here."""
+
+
+@dataclass(frozen=True)
+class StartStream:
+    request: SpeechRequest
+
+
+@dataclass(frozen=True)
+class AbortStream:
+    request_id: str
+    engine_running: bool
+    """False when the engine already finished the request (only the reader task remains)."""
+
+
+@dataclass(frozen=True)
+class SendMessage:
+    message: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SendAudio:
+    data: bytes
+    """Header + payload, a binary frame."""
+    samples: int
+    utterance_id: int
+    ttfa: TtfaParts | None = None
+    """Set on the first frame of an utterance."""
+
+
+@dataclass(frozen=True)
+class Close:
+    code: P.CloseCode
+    reason: P.CloseReason
+
+
+Action = StartStream | AbortStream | SendMessage | SendAudio | Close
+
+
+class EngineFailure(enum.Enum):
+    OVERLOADED = "overloaded"
+    RECOVERABLE = "recoverable"
+    UNRECOVERABLE = "unrecoverable"
+
+
+class SessionObserver:
+    """Metrics hooks (no-ops here; gateway/metrics.py records them)."""
+
+    def error(self, code: P.ErrorCode) -> None:
+        pass
+
+    def underruns(self, count: int) -> None:
+        pass
+
+    def audio_dropped(self, seconds: float, reason: str) -> None:
+        pass
+
+    def utterance_finished(self, outcome: str) -> None:
+        pass
+
+    def segment_submitted(self, priority: int) -> None:
+        pass
+
+
+# ---- internal state -----------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Segment:
+    index: int
+    text: str
+    units: int
+    request_id: str
+    generated: int = 0
+    sent: int = 0
+    session_start: int | None = None
+    """Session-stream sample index of the segment's first frame."""
+    finished: bool = False
+    """The engine delivered all of its audio."""
+    announced: bool = False
+
+
+@dataclass(eq=False)
+class _Utterance:
+    id: int
+    segmenter: Segmenter
+    chars: int = 0
+    ended: bool = False
+    failed: P.ErrorCode | None = None
+    segments: list[_Segment] = field(default_factory=list)
+    seq: int = 0
+    sent: int = 0
+    generated: int = 0
+    session_start: int | None = None
+    t_first_text: float | None = None
+    t_first_ready: float | None = None
+    t_first_submit: float | None = None
+    t_first_chunk: float | None = None
+    ttfa_done: bool = False
+
+    @property
+    def input_done(self) -> bool:
+        return self.ended and (self.failed is not None or self.segmenter.done)
+
+
+@dataclass(eq=False)
+class _Stream:
+    utt: _Utterance
+    seg: _Segment
+    held: bytearray = field(default_factory=bytearray)
+    held_samples: int = 0
+    generating: bool = True
+
+    @property
+    def request_id(self) -> str:
+        return self.seg.request_id
+
+
+class _TokenBucket:
+    def __init__(self, rate: float, capacity: float, now_s: float) -> None:
+        self.rate = rate
+        self.capacity = capacity
+        self.tokens = capacity
+        self.t = now_s
+
+    def refill(self, now_s: float) -> None:
+        self.tokens = min(self.capacity, self.tokens + max(0.0, now_s - self.t) * self.rate)
+        self.t = now_s
+
+
+class Session:
+    """One client session. Call an ``on_*`` method per event; carry out the returned actions."""
+
+    def __init__(
+        self,
+        session_id: str,
+        settings: SessionSettings,
+        now_s: float,
+        *,
+        priority_fn: PriorityFn | None = None,
+        observer: SessionObserver | None = None,
+    ) -> None:
+        self.id = session_id
+        self.settings = settings
+        self._priority_fn = priority_fn or default_priority_fn(settings.scheduler)
+        self._obs = observer or SessionObserver()
+        self.started = False
+        self.closed = False
+        self.draining = False
+        self.rate_hz = P.DEFAULT_SAMPLE_RATE_HZ
+        self.format = P.AudioFormat.PCM16
+        self._voice: str | int | None = None
+        self._params = SamplingParams()
+        self._language: str | None = None
+        self._flow = FlowControl(FlowConfig(self.rate_hz, settings.limits.flow_window_ms), now_s)
+        self._frame_samples = 1
+        self._prefetch_samples = 1
+        self._utterances: deque[_Utterance] = deque()
+        self._history: deque[_Utterance] = deque(maxlen=max(1, settings.history_utterances))
+        self._streams: deque[_Stream] = deque()
+        self._by_id: dict[str, _Stream] = {}
+        self._next_utt_id = 1
+        self._send_blocked = False
+        self._last_activity_s = now_s
+        lim = settings.limits
+        self._messages = _TokenBucket(lim.max_messages_per_s, 2 * lim.max_messages_per_s, now_s)
+        self._chars = _TokenBucket(lim.max_chars_per_s, lim.max_chars_per_s, now_s)
+        self._strikes = 0.0
+        """Refused deltas, decaying at one per second."""
+        self._strikes_t = now_s
+        self._underruns_seen = 0
+        self._output_latency_ms = 0.0
+        self.log = logging.LoggerAdapter(_log, {"session": session_id})
+
+    # ================================================================ events
+
+    def on_text_frame(self, now_s: float, data: str | bytes) -> list[Action]:
+        out: list[Action] = []
+        if self.closed:
+            return out
+        self._last_activity_s = now_s
+        self._messages.refill(now_s)
+        if self._messages.tokens < 1.0:
+            self.log.warning("message flood: closing")
+            self._close(out, P.CloseCode.POLICY_VIOLATION, P.CloseReason.MESSAGE_FLOOD)
+            return out
+        self._messages.tokens -= 1.0
+        try:
+            msg = P.parse_client_message(data)
+        except P.ProtocolError as exc:
+            self._error(out, exc.code, field=exc.field, msg_id=exc.msg_id)
+            return out
+        if not self.started and msg.type not in (P.ClientType.SESSION_START, P.ClientType.PING):
+            self._error(out, P.ErrorCode.SESSION_NOT_STARTED, msg_id=msg.id)
+            return out
+        handler = {
+            P.ClientType.SESSION_START: self._on_session_start,
+            P.ClientType.TEXT_DELTA: self._on_text_delta,
+            P.ClientType.TEXT_FLUSH: self._on_text_flush,
+            P.ClientType.TEXT_END: self._on_text_end,
+            P.ClientType.CANCEL: self._on_cancel,
+            P.ClientType.PLAYBACK: self._on_playback,
+            P.ClientType.PING: self._on_ping,
+        }[msg.type]
+        handler(now_s, msg, out)
+        self._step(now_s, out)
+        return out
+
+    def on_binary_frame(self, now_s: float, data: bytes) -> list[Action]:
+        out: list[Action] = []
+        if self.closed:
+            return out
+        self._last_activity_s = now_s
+        self._messages.refill(now_s)
+        if self._messages.tokens < 1.0:
+            self._close(out, P.CloseCode.POLICY_VIOLATION, P.CloseReason.MESSAGE_FLOOD)
+            return out
+        self._messages.tokens -= 1.0
+        self._error(out, P.ErrorCode.BINARY_NOT_ALLOWED)
+        return out
+
+    def on_audio(self, now_s: float, request_id: str, chunk: AudioChunk) -> list[Action]:
+        out: list[Action] = []
+        s = self._by_id.get(request_id)
+        if self.closed or s is None or not s.generating:
+            return out
+        if len(chunk.pcm) % 2 or (chunk.pcm and chunk.sample_rate_hz != self.rate_hz):
+            self.log.error("engine returned bad audio for %s (rate %s, %d bytes)", request_id,
+                           chunk.sample_rate_hz, len(chunk.pcm))
+            self._fail_utterance(s.utt, P.ErrorCode.ENGINE_ERROR, out)
+            self._step(now_s, out)
+            return out
+        n = len(chunk.pcm) // 2
+        if n:
+            s.held += chunk.pcm
+            s.held_samples += n
+            s.seg.generated += n
+            s.utt.generated += n
+            if s.utt.t_first_chunk is None:
+                s.utt.t_first_chunk = now_s
+        if chunk.finished:
+            s.generating = False
+            s.seg.finished = True
+        self._step(now_s, out)
+        return out
+
+    def on_stream_end(self, now_s: float, request_id: str) -> list[Action]:
+        """The engine iterator is exhausted."""
+        out: list[Action] = []
+        s = self._by_id.get(request_id)
+        if self.closed or s is None or not s.generating:
+            return out
+        s.generating = False
+        s.seg.finished = True
+        self._step(now_s, out)
+        return out
+
+    def on_engine_error(self, now_s: float, request_id: str, failure: EngineFailure) -> list[Action]:
+        out: list[Action] = []
+        s = self._by_id.get(request_id)
+        if self.closed or s is None:
+            return out
+        if failure is EngineFailure.UNRECOVERABLE:
+            self.log.error("engine unavailable (request %s): closing", request_id)
+            self._error(out, P.ErrorCode.ENGINE_UNAVAILABLE, utterance_id=s.utt.id)
+            self._close(out, P.CloseCode.INTERNAL_ERROR, P.CloseReason.ENGINE_UNAVAILABLE)
+            return out
+        code = P.ErrorCode.ENGINE_OVERLOADED if failure is EngineFailure.OVERLOADED else P.ErrorCode.ENGINE_ERROR
+        self._fail_utterance(s.utt, code, out)
+        self._step(now_s, out)
+        return out
+
+    def on_timer(self, now_s: float) -> list[Action]:
+        out: list[Action] = []
+        if self.closed:
+            return out
+        if not self._utterances and now_s >= self._last_activity_s + self.settings.limits.idle_timeout_s:
+            self.log.info("idle: closing")
+            self._close(out, P.CloseCode.NORMAL, P.CloseReason.IDLE)
+            return out
+        self._step(now_s, out)
+        return out
+
+    def on_send_buffer(self, now_s: float, congested: bool) -> list[Action]:
+        """The server's outbound buffer crossed its high (True) or low (False) water mark."""
+        out: list[Action] = []
+        self._send_blocked = congested
+        if not congested and not self.closed:
+            self._step(now_s, out)
+        return out
+
+    def on_slow_reader(self, now_s: float) -> list[Action]:
+        """A send did not complete within send_timeout: the client stopped reading."""
+        out: list[Action] = []
+        if not self.closed:
+            self.log.warning("slow reader: closing")
+            self._drop_all(now_s, "slow_reader")
+            self._close(out, P.CloseCode.POLICY_VIOLATION, P.CloseReason.SLOW_READER)
+        return out
+
+    def on_disconnect(self, now_s: float) -> list[Action]:
+        """The connection is gone: abort everything it started."""
+        out: list[Action] = []
+        if self._streams or self._utterances:
+            self.log.info("disconnected with work in progress: aborting")
+        self._drop_all(now_s, "disconnect")
+        self._abort_all(out)
+        self.closed = True
+        return out
+
+    def on_shutdown(self, now_s: float) -> list[Action]:
+        """Server draining: no new utterances; close 1001 once the current ones are sent."""
+        out: list[Action] = []
+        if self.closed:
+            return out
+        self.draining = True
+        self._step(now_s, out)
+        return out
+
+    def on_shutdown_deadline(self, now_s: float) -> list[Action]:
+        out: list[Action] = []
+        if not self.closed:
+            self._drop_all(now_s, "shutdown")
+            self._close(out, P.CloseCode.GOING_AWAY, P.CloseReason.SHUTDOWN)
+        return out
+
+    def on_internal_error(self, now_s: float) -> list[Action]:
+        out: list[Action] = []
+        if not self.closed:
+            self._error(out, P.ErrorCode.INTERNAL_ERROR)
+            self._close(out, P.CloseCode.INTERNAL_ERROR, P.CloseReason.INTERNAL_ERROR)
+        return out
+
+    # ================================================================ queries
+
+    @property
+    def busy(self) -> bool:
+        """Some utterance is not finished (text still coming, generating or sending)."""
+        return bool(self._utterances)
+
+    @property
+    def running_requests(self) -> list[str]:
+        return [s.request_id for s in self._streams if s.generating]
+
+    def may_pull(self, now_s: float, request_id: str) -> bool:
+        """May the server take the next chunk from this request's engine iterator now?"""
+        s = self._by_id.get(request_id)
+        if self.closed or s is None or not s.generating:
+            return False
+        if s.held_samples >= self._prefetch_samples:
+            return False
+        if self._streams and s is self._streams[0]:
+            return self._flow.can_send(now_s, s.held_samples + 1)
+        return True
+
+    def next_deadline_s(self, now_s: float) -> float | None:
+        """When ``on_timer`` has something to do (None: only events matter)."""
+        if self.closed:
+            return None
+        deadlines: list[float] = []
+        if not self._utterances:
+            deadlines.append(self._last_activity_s + self.settings.limits.idle_timeout_s)
+        if self.started:
+            if self._generating_count() < self.settings.max_in_flight:
+                utt = self._segmenting_utterance()
+                if utt is not None and utt.failed is None:
+                    d = utt.segmenter.deadline_s(now_s, idle=not self._streams)
+                    if d is not None:
+                        deadlines.append(d)
+            if self._streams and not self._send_blocked:
+                # credit for the head's next frame, or (nothing held) for pulling more audio
+                head = self._streams[0]
+                d = None
+                if head.held_samples:
+                    d = self._flow.credit_deadline_s(now_s, min(self._frame_samples, head.held_samples))
+                elif head.generating:
+                    d = self._flow.credit_deadline_s(now_s, 1)
+                if d is not None:
+                    deadlines.append(d + 0.001)
+        return min(deadlines) if deadlines else None
+
+    @property
+    def flow(self) -> FlowControl:
+        return self._flow
+
+    # ================================================================ message handlers
+
+    def _on_session_start(self, now_s: float, msg: P.ClientMessage, out: list[Action]) -> None:
+        if self.started:
+            self._error(out, P.ErrorCode.SESSION_ALREADY_STARTED, msg_id=msg.id)
+            return
+        f = msg.fields
+        self.rate_hz = int(f.get("sample_rate", P.DEFAULT_SAMPLE_RATE_HZ))
+        self.format = P.AudioFormat(f.get("format", P.AudioFormat.PCM16.value))
+        voice = f.get("voice")
+        self._voice = voice if voice != "" else None
+        self._language = f.get("language")
+        opts = f.get("options", {})
+        self._params = replace(
+            SamplingParams(),
+            **{k: opts[k] for k in ("temperature", "top_p", "top_k", "seed") if k in opts},
+        )
+        st = self.settings
+        self._flow = FlowControl(
+            FlowConfig(self.rate_hz, st.limits.flow_window_ms, st.stale_report_ms), now_s
+        )
+        self._frame_samples = max(1, int(self.rate_hz * st.frame_ms / 1000.0))
+        self._prefetch_samples = max(
+            self._frame_samples, int(self.rate_hz * min(st.prefetch_ms, st.limits.flow_window_ms) / 1000.0)
+        )
+        self.started = True
+        lim = st.limits
+        reply: dict[str, Any] = {
+            "type": P.ServerType.SESSION_STARTED.value,
+            "session_id": self.id,
+            "protocol": P.SUBPROTOCOL,
+            "engine": st.engine_name,
+            "sample_rate": self.rate_hz,
+            "format": self.format.value,
+            "channels": 1,
+            "frame_header_bytes": P.AUDIO_HEADER_BYTES,
+            "limits": {
+                "max_message_bytes": lim.max_message_bytes,
+                "max_utterance_chars": lim.max_utterance_chars,
+                "max_chars_per_s": lim.max_chars_per_s,
+                "max_messages_per_s": lim.max_messages_per_s,
+                "max_queued_utterances": lim.max_pending_segments,
+                "idle_timeout_s": lim.idle_timeout_s,
+                "flow_window_ms": lim.flow_window_ms,
+            },
+            "playback_report_interval_ms": st.playback_report_interval_ms,
+        }
+        if self._voice is not None:
+            reply["voice"] = self._voice
+        if self._language is not None:
+            reply["language"] = self._language
+        if msg.id is not None:
+            reply["id"] = msg.id
+        out.append(SendMessage(reply))
+        self.log.info("session started: %d Hz %s voice=%r", self.rate_hz, self.format.value, self._voice)
+
+    def _open_utterance(self) -> _Utterance | None:
+        if self._utterances and not self._utterances[-1].ended:
+            return self._utterances[-1]
+        return None
+
+    def _on_text_delta(self, now_s: float, msg: P.ClientMessage, out: list[Action]) -> None:
+        text: str = msg.fields["text"]
+        if not text:
+            return
+        utt = self._open_utterance()
+        if utt is not None and utt.failed is not None:
+            return  # a failed utterance absorbs its remaining text until text.end
+        lim = self.settings.limits
+        if utt is None:
+            if self.draining:
+                self._error(out, P.ErrorCode.SHUTTING_DOWN, msg_id=msg.id)
+                return
+            if len(self._utterances) >= lim.max_pending_segments:
+                self._error(out, P.ErrorCode.QUEUE_FULL, msg_id=msg.id)
+                return
+        if (utt.chars if utt else 0) + len(text) > lim.max_utterance_chars:
+            self._error(out, P.ErrorCode.TEXT_TOO_LONG, msg_id=msg.id,
+                        utterance_id=utt.id if utt else None)
+            return
+        self._chars.refill(now_s)
+        if self._chars.tokens <= 0:
+            self._error(out, P.ErrorCode.RATE_LIMITED, msg_id=msg.id, utterance_id=utt.id if utt else None)
+            self._strikes = max(0.0, self._strikes - (now_s - self._strikes_t)) + 1.0
+            self._strikes_t = now_s
+            if self._strikes >= self.settings.rate_strikes_to_close:
+                self.log.warning("text rate abuse: closing")
+                self._close(out, P.CloseCode.POLICY_VIOLATION, P.CloseReason.RATE_LIMIT)
+            return
+        self._chars.tokens -= len(text)
+        if utt is None:
+            utt = _Utterance(id=self._next_utt_id, segmenter=Segmenter(self.settings.segmenter))
+            self._next_utt_id += 1
+            self._utterances.append(utt)
+        utt.chars += len(text)
+        utt.segmenter.feed(text, now_s)
+        if utt.t_first_text is None:
+            utt.t_first_text = now_s
+
+    def _on_text_flush(self, now_s: float, msg: P.ClientMessage, out: list[Action]) -> None:
+        utt = self._open_utterance()
+        if utt is not None and utt.failed is None:
+            utt.segmenter.flush()
+
+    def _on_text_end(self, now_s: float, msg: P.ClientMessage, out: list[Action]) -> None:
+        utt = self._open_utterance()
+        if utt is None:
+            return
+        utt.ended = True
+        if utt.failed is None:
+            utt.segmenter.end()
+
+    def _on_playback(self, now_s: float, msg: P.ClientMessage, out: list[Action]) -> None:
+        f = msg.fields
+        self._flow.on_playback(now_s, int(f["played_samples"]))
+        if "underruns" in f:
+            n = int(f["underruns"])
+            if n > self._underruns_seen:
+                self._obs.underruns(n - self._underruns_seen)
+            self._underruns_seen = max(self._underruns_seen, n)
+        if "output_latency_ms" in f:
+            self._output_latency_ms = float(f["output_latency_ms"])
+
+    def _on_ping(self, now_s: float, msg: P.ClientMessage, out: list[Action]) -> None:
+        reply: dict[str, Any] = {"type": P.ServerType.PONG.value, "server_time_ms": round(now_s * 1000.0, 3)}
+        if msg.id is not None:
+            reply["id"] = msg.id
+        if "t" in msg.fields:
+            reply["t"] = msg.fields["t"]
+        out.append(SendMessage(reply))
+
+    def _on_cancel(self, now_s: float, msg: P.ClientMessage, out: list[Action]) -> None:
+        flow = self._flow
+        given = msg.fields.get("played_samples")
+        client_played = flow.client_played(now_s) if given is None else int(given)
+        client_played = max(0, min(client_played, flow.sent - flow.discarded))
+        pos = client_played + flow.discarded  # playhead in the session stream
+        heard_pos = pos - int(self._output_latency_ms * self.rate_hz / 1000.0)
+        target: _Utterance | None = None
+        for u in [*self._history, *self._utterances]:
+            if u.session_start is not None and u.session_start <= pos < u.session_start + u.sent:
+                target = u
+                break
+        if target is None and self._utterances:
+            target = self._utterances[0]
+        reply: dict[str, Any] = {
+            "type": P.ServerType.CANCELLED.value,
+            "utterance_id": None,
+            "generated_ms": 0.0,
+            "sent_ms": 0.0,
+            "played_ms": 0.0,
+            "heard_text": "",
+            "cancelled_utterances": [u.id for u in self._utterances],
+        }
+        if target is not None:
+            played = 0
+            if target.session_start is not None:
+                played = max(0, min(pos - target.session_start, target.sent))
+            reply.update(
+                utterance_id=target.id,
+                generated_ms=self._ms(target.generated),
+                sent_ms=self._ms(target.sent),
+                played_ms=self._ms(played),
+                heard_text=self._heard_text(target, heard_pos),
+            )
+        if msg.id is not None:
+            reply["id"] = msg.id
+        dropped = (flow.sent - pos) + sum(s.held_samples for s in self._streams)
+        if dropped > 0:
+            self._obs.audio_dropped(dropped / self.rate_hz, "cancel")
+        flow.on_cancel(now_s, client_played)
+        self._abort_all(out)
+        for _ in self._utterances:
+            self._obs.utterance_finished("cancelled")
+        if self._utterances:
+            self.log.info("cancelled utterances %s", reply["cancelled_utterances"])
+        self._utterances.clear()
+        out.append(SendMessage(reply))
+
+    # ================================================================ the pipeline
+
+    def _step(self, now_s: float, out: list[Action]) -> None:
+        if self.closed or not self.started:
+            return
+        self._pump(now_s, out)
+        self._finish_utterances(now_s, out)
+        self._fill(now_s, out)
+        self._pump(now_s, out)
+        self._finish_utterances(now_s, out)
+        self._mark_ready(now_s)
+        if self.draining and not self._utterances and not self.closed:
+            self._close(out, P.CloseCode.GOING_AWAY, P.CloseReason.SHUTDOWN)
+
+    def _generating_count(self) -> int:
+        return sum(1 for s in self._streams if s.generating)
+
+    def _segmenting_utterance(self) -> _Utterance | None:
+        """The oldest utterance whose text is not all handed to the engine (text order)."""
+        for u in self._utterances:
+            if u.failed is not None:
+                if not u.ended:
+                    return u  # absorbing its text: later utterances cannot exist yet
+                continue
+            if not u.segmenter.done:
+                return u
+        return None
+
+    def _fill(self, now_s: float, out: list[Action]) -> None:
+        while self._generating_count() < self.settings.max_in_flight:
+            utt = self._segmenting_utterance()
+            if utt is None or utt.failed is not None:
+                return
+            seg = utt.segmenter.next_segment(now_s, idle=not self._streams)
+            if seg is None:
+                return
+            if not is_speakable(seg.text):
+                continue
+            self._submit(now_s, utt, seg.text, out)
+
+    def _submit(self, now_s: float, utt: _Utterance, text: str, out: list[Action]) -> None:
+        index = len(utt.segments)
+        first = index == 0
+        buffered = self._flow.ahead(now_s) + sum(s.held_samples for s in self._streams)
+        priority = int(self._priority_fn(first, buffered * 1000.0 / self.rate_hz))
+        request_id = f"{self.id}-{utt.id}-{index}"
+        seg = _Segment(index=index, text=text, units=text_units(text), request_id=request_id)
+        utt.segments.append(seg)
+        stream = _Stream(utt=utt, seg=seg)
+        self._streams.append(stream)
+        self._by_id[request_id] = stream
+        if first:
+            if utt.t_first_ready is None:
+                utt.t_first_ready = now_s
+            utt.t_first_submit = now_s
+        self._obs.segment_submitted(priority)
+        out.append(StartStream(SpeechRequest(
+            request_id=request_id,
+            text=text,
+            speaker=self._voice,
+            params=self._params,
+            priority=priority,
+            sample_rate_hz=self.rate_hz,
+        )))
+
+    def _mark_ready(self, now_s: float) -> None:
+        """Note when an utterance's first segment could go out but waits for the pipeline."""
+        for u in list(self._utterances)[:4]:
+            if u.t_first_ready is None and not u.segments and u.failed is None:
+                if u.segmenter.next_segment(now_s, idle=False, peek=True) is not None:
+                    u.t_first_ready = now_s
+
+    def _pump(self, now_s: float, out: list[Action]) -> None:
+        """Send the head stream's audio while credit lasts; retire finished segments."""
+        while self._streams:
+            head = self._streams[0]
+            if head.held_samples == 0:
+                if head.generating:
+                    return
+                self._retire(head, out)
+                continue
+            if self._send_blocked:
+                return
+            n = min(self._frame_samples, head.held_samples)
+            if not self._flow.can_send(now_s, n):
+                return
+            self._emit_frame(now_s, head, n, out)
+
+    def _emit_frame(self, now_s: float, s: _Stream, n: int, out: list[Action]) -> None:
+        u, seg = s.utt, s.seg
+        pcm = bytes(s.held[: 2 * n])
+        del s.held[: 2 * n]
+        s.held_samples -= n
+        if not seg.announced:
+            self._announce(s, out)
+        if u.session_start is None:
+            u.session_start = self._flow.sent
+        header = P.AudioFrameHeader(utterance_id=u.id, seq=u.seq, sample_offset=u.sent,
+                                    segment=seg.index, format=self.format)
+        ttfa = None
+        if not u.ttfa_done:
+            u.ttfa_done = True
+            t0 = u.t_first_text if u.t_first_text is not None else now_s
+            ready = u.t_first_ready if u.t_first_ready is not None else t0
+            submit = u.t_first_submit if u.t_first_submit is not None else ready
+            chunk = u.t_first_chunk if u.t_first_chunk is not None else submit
+            ttfa = TtfaParts(first_text_s=t0, text_wait_s=ready - t0, queue_s=submit - ready,
+                             engine_s=chunk - submit, first_chunk_s=chunk)
+        out.append(SendAudio(P.pack_audio_frame(header, encode_samples(pcm, self.format)), n, u.id, ttfa))
+        u.seq += 1
+        u.sent += n
+        seg.sent += n
+        self._flow.on_sent(now_s, n)
+
+    def _announce(self, s: _Stream, out: list[Action]) -> None:
+        s.seg.announced = True
+        s.seg.session_start = self._flow.sent
+        out.append(SendMessage({
+            "type": P.ServerType.SEGMENT_STARTED.value,
+            "utterance_id": s.utt.id,
+            "segment": s.seg.index,
+            "text": s.seg.text,
+            "sample_offset": s.utt.sent,
+        }))
+
+    def _retire(self, s: _Stream, out: list[Action]) -> None:
+        if not s.seg.announced:
+            self._announce(s, out)
+        out.append(SendMessage({
+            "type": P.ServerType.SEGMENT_DONE.value,
+            "utterance_id": s.utt.id,
+            "segment": s.seg.index,
+            "samples": s.seg.sent,
+        }))
+        self._streams.popleft()
+        self._by_id.pop(s.request_id, None)
+
+    def _finish_utterances(self, now_s: float, out: list[Action]) -> None:
+        while self._utterances:
+            u = self._utterances[0]
+            if not u.input_done or any(s.utt is u for s in self._streams):
+                return
+            status = P.UtteranceStatus.OK if u.failed is None else P.UtteranceStatus.ERROR
+            msg: dict[str, Any] = {
+                "type": P.ServerType.UTTERANCE_DONE.value,
+                "utterance_id": u.id,
+                "status": status.value,
+                "samples": u.sent,
+                "duration_ms": self._ms(u.sent),
+                "segments": len(u.segments),
+            }
+            if u.failed is not None:
+                msg["error"] = u.failed.value
+            out.append(SendMessage(msg))
+            self._obs.utterance_finished(status.value)
+            self._utterances.popleft()
+            self._history.append(u)
+            self._last_activity_s = max(self._last_activity_s, now_s)
+
+    def _fail_utterance(self, utt: _Utterance, code: P.ErrorCode, out: list[Action]) -> None:
+        if utt.failed is not None:
+            return
+        self.log.warning("utterance %d failed: %s", utt.id, code.value)
+        utt.failed = code
+        dropped = 0
+        for s in [s for s in self._streams if s.utt is utt]:
+            dropped += s.held_samples
+            out.append(AbortStream(s.request_id, s.generating))
+            self._streams.remove(s)
+            self._by_id.pop(s.request_id, None)
+        if dropped:
+            self._obs.audio_dropped(dropped / self.rate_hz, "error")
+        self._error(out, code, utterance_id=utt.id)
+
+    # ================================================================ helpers
+
+    def _abort_all(self, out: list[Action]) -> None:
+        for s in self._streams:
+            out.append(AbortStream(s.request_id, s.generating))
+        self._streams.clear()
+        self._by_id.clear()
+
+    def _drop_all(self, now_s: float, reason: str) -> None:
+        held = sum(s.held_samples for s in self._streams)
+        if held:
+            self._obs.audio_dropped(held / self.rate_hz, reason)
+        for _ in self._utterances:
+            self._obs.utterance_finished(reason)
+        self._utterances.clear()
+
+    def _close(self, out: list[Action], code: P.CloseCode, reason: P.CloseReason) -> None:
+        self._abort_all(out)
+        self.closed = True
+        out.append(Close(code, reason))
+
+    def _error(self, out: list[Action], code: P.ErrorCode, *, field: str | None = None,
+               msg_id: P.JsonScalar = None, utterance_id: int | None = None) -> None:
+        self._obs.error(code)
+        out.append(SendMessage(P.error_message(code, field=field, msg_id=msg_id, utterance_id=utterance_id)))
+
+    def _ms(self, samples: int) -> float:
+        return round(samples * 1000.0 / self.rate_hz, 1)
+
+    def _heard_text(self, u: _Utterance, heard_pos: int) -> str:
+        parts: list[str] = []
+        for seg in u.segments:
+            if seg.session_start is None:
+                break
+            played = heard_pos - seg.session_start
+            if played <= 0:
+                break
+            est = int(seg.units * self.settings.est_ms_per_unit * self.rate_hz / 1000.0)
+            total = seg.generated if seg.finished else max(seg.generated, est)
+            if played >= total:
+                parts.append(seg.text)
+                continue
+            k = int(len(seg.text) * played / max(total, 1))
+            parts.append(_cut_words(seg.text, k))
+            break
+        return _join(parts)
+
+
+def _cut_words(text: str, k: int) -> str:
+    """``text[:k]`` without a trailing partial word (CJK characters stand alone)."""
+    k = max(0, min(k, len(text)))
+    if k == len(text) or k == 0:
+        return text[:k]
+    if is_cjk(text[k - 1]) or text[k].isspace() or is_cjk(text[k]):
+        return text[:k].rstrip()
+    j = text.rfind(" ", 0, k)
+    return text[:j].rstrip() if j > 0 else ""
+
+
+def _join(parts: list[str]) -> str:
+    out = ""
+    for p in parts:
+        if not p:
+            continue
+        if out and not (is_cjk(out[-1]) or is_cjk(p[0])):
+            out += " "
+        out += p
+    return out
