@@ -143,6 +143,7 @@ class GatewayServer:
         self.draining = False
         self._ws: Server | None = None
         self._no_connections = asyncio.Event()
+        self._shutdown_task: asyncio.Task[None] | None = None
         self.port = 0
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -180,13 +181,20 @@ class GatewayServer:
         return "ws" + self.url[4:] + P.WS_PATH
 
     async def shutdown(self, grace_s: float | None = None, force: asyncio.Event | None = None) -> None:
-        """Stop accepting; let utterances finish up to ``grace_s``; then close 1001."""
-        if self._ws is None:
+        """Stop accepting; let utterances finish up to ``grace_s``; then close 1001.
+        Idempotent: concurrent and later calls wait for the first one."""
+        if self._shutdown_task is None:
+            self._shutdown_task = asyncio.create_task(self._shutdown(grace_s, force))
+        await asyncio.shield(self._shutdown_task)
+
+    async def _shutdown(self, grace_s: float | None, force: asyncio.Event | None) -> None:
+        ws = self._ws
+        if ws is None:
             return
         grace = self.config.gateway.shutdown_grace_s if grace_s is None else grace_s
         log.info("shutting down: %d sessions, grace %.1f s", len(self.connections), grace)
         self.draining = True
-        self._ws.close(close_connections=False)  # stop accepting; handshakes in flight get 503
+        ws.close(close_connections=False)  # stop accepting; handshakes in flight get 503
         for conn in list(self.connections):
             conn.dispatch(conn.session.on_shutdown)
         waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(self._all_closed())]
@@ -199,11 +207,10 @@ class GatewayServer:
             conn.dispatch(conn.session.on_shutdown_deadline)
         try:
             async with asyncio.timeout(_CLOSE_WAIT_S + _ABORT_WAIT_S + 1.0):
-                await self._ws.wait_closed()
+                await ws.wait_closed()
         except TimeoutError:
             for conn in list(self.connections):
                 conn.ws.transport.abort()
-        self._ws = None
         log.info("gateway stopped")
 
     async def _all_closed(self) -> None:
@@ -358,7 +365,7 @@ class GatewayServer:
             if not self.connections:
                 self._no_connections.set()
             self.metrics.sessions.set(len(self.connections))
-            self.metrics.closes.labels(str(ws.close_code or 1006)).inc()
+            self.metrics.closes.labels(str(conn.close_code)).inc()
 
 
 class _Connection:
@@ -396,6 +403,13 @@ class _Connection:
             if sock is not None:
                 # bound kernel memory per connection too (Linux doubles the value)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, g.write_limit_bytes)
+
+    @property
+    def close_code(self) -> int:
+        """The code this server closed with, else the one the client sent (1006: none)."""
+        if self.close_req is not None:
+            return int(self.close_req.code)
+        return self.ws.close_code or 1006
 
     # ---- main loops ---------------------------------------------------------------------
 

@@ -1,0 +1,457 @@
+"""Integration tests over a real socket: websockets clients against the gateway on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import orjson
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from engine.api import SpeechEngine
+from gateway import protocol as P
+from gateway.audio import mulaw_decode
+from tests.gateway.conftest import GatewayFactory, wait_until
+from tests.gateway.fakes import FakeSpeechEngine
+from tests.gateway.wsclient import Client
+
+TEXT = (
+    "Hello there, this is the voice gateway. It speaks text as it arrives, piece by piece! "
+    "Numbers like 3.14 stay whole. Does it work? 它也会说中文，对吧。Goodbye."
+)
+
+
+def _norm(s: str) -> str:
+    return "".join(s.split())
+
+
+def _check_stream(c: Client, utterance_id: int) -> int:
+    """Frames of one utterance are contiguous: seq 0.., offsets add up, segments in order."""
+    frames = c.utterance_frames(utterance_id)
+    offset = 0
+    segment = 0
+    for i, f in enumerate(frames):
+        assert f.header.seq == i
+        assert f.header.sample_offset == offset
+        assert f.header.segment >= segment
+        segment = f.header.segment
+        offset += f.samples
+    return offset
+
+
+async def _http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    def get() -> tuple[int, dict[str, str], bytes]:
+        req = urllib.request.Request(url, headers=headers or {})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status, dict(r.headers), r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers), e.read()
+
+    return await asyncio.to_thread(get)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_single_characters_play_completely(speech_engine: SpeechEngine, make_gateway: GatewayFactory):
+    async with make_gateway(speech_engine, limits={"max_messages_per_s": 1000}) as server:
+        c = await Client.open(server.ws_url, fast_playback=True)
+        started = await c.start()
+        assert started["engine"] == speech_engine.name and started["sample_rate"] == 24_000
+        assert c.ws.subprotocol == P.SUBPROTOCOL
+        await c.speak(TEXT, piece_chars=1)
+        done = await c.wait_for("utterance.done", timeout=60)
+        assert done["status"] == "ok"
+        assert not c.errors()
+        sent = _check_stream(c, done["utterance_id"])
+        assert sent == done["samples"] > 0
+        spoken = [m["text"] for m in c.messages if m["type"] == "segment.started"]
+        assert _norm("".join(spoken)) == _norm(TEXT)  # every character was spoken, in order
+        assert len(spoken) == done["segments"] >= 3
+        seg_done = [m for m in c.messages if m["type"] == "segment.done"]
+        assert sum(m["samples"] for m in seg_done) == sent
+        if isinstance(speech_engine, FakeSpeechEngine):
+            assert sent == sum(speech_engine.expected_samples(t, 24_000) for t in spoken)
+        await c.close()
+        assert await wait_until(lambda: speech_engine.health().running_requests == 0)
+
+
+async def test_cancel_mid_utterance_stops_audio_and_engine(speech_engine: SpeechEngine,
+                                                           make_gateway: GatewayFactory):
+    async with make_gateway(speech_engine, limits={"flow_window_ms": 500}) as server:
+        c = await Client.open(server.ws_url)  # reports no playback: real-time pacing
+        await c.start()
+        long_text = " ".join(["This sentence is here to make the utterance long."] * 20)
+        await c.speak(long_text, piece_chars=40, end=False)
+        while not c.frames:
+            await c.recv_one()
+        await c.send({"type": "cancel", "id": "c1"})
+        cancelled = await c.wait_for("cancelled")
+        assert cancelled["id"] == "c1"
+        assert cancelled["utterance_id"] == 1 and cancelled["cancelled_utterances"] == [1]
+        assert 0 < cancelled["sent_ms"] <= cancelled["generated_ms"]
+        assert 0 <= cancelled["played_ms"] <= cancelled["sent_ms"]
+        assert long_text.startswith(cancelled["heard_text"])
+        n_frames = len(c.frames)
+        assert await wait_until(lambda: speech_engine.health().running_requests == 0, timeout=2)
+        with pytest.raises(TimeoutError):
+            await c.recv_one(timeout=0.3)  # nothing more of utterance 1
+        assert len(c.frames) == n_frames
+        # the session goes on: a new utterance after the barge-in plays
+        c.fast_playback = True
+        await c.speak("A new answer after the barge-in.")
+        done = await c.wait_for("utterance.done")
+        assert done["utterance_id"] == 2 and done["status"] == "ok"
+        assert _check_stream(c, 2) == done["samples"] > 0
+        await c.close()
+
+
+async def test_slow_reader_is_closed_and_does_not_slow_another(make_gateway: GatewayFactory):
+    engine = FakeSpeechEngine(speed=200.0, chunk_ms=200.0)
+    gw = {"send_timeout_ms": 500, "write_limit_bytes": 16_384}
+    async with make_gateway(engine, gateway=gw, limits={"flow_window_ms": 600_000}) as server:
+        text = " ".join(["The quick brown fox jumps over the lazy dog."] * 8)
+
+        async def good_client() -> float:
+            c = await Client.open(server.ws_url, fast_playback=True)
+            await c.start()
+            t0 = time.monotonic()
+            await c.speak(text)
+            done = await c.wait_for("utterance.done", timeout=20)
+            assert done["status"] == "ok" and _check_stream(c, 1) == done["samples"]
+            await c.close()
+            return time.monotonic() - t0
+
+        solo_s = await good_client()
+
+        # the slow client: a tiny receive buffer, and it never reads
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        sock.setblocking(False)
+        slow = await connect(server.ws_url, sock=sock, subprotocols=[P.SUBPROTOCOL], compression=None,
+                             max_queue=1)
+        await slow.send(orjson.dumps({"type": "session.start"}).decode())
+        await slow.send(orjson.dumps({"type": "text.delta", "text": text * 4}).decode())
+        await slow.send(orjson.dumps({"type": "text.end"}).decode())
+        await asyncio.sleep(0.2)
+        assert len(server.connections) == 1
+
+        with_slow_s = await good_client()
+        assert with_slow_s < 2 * solo_s + 0.5, (solo_s, with_slow_s)
+
+        # the slow reader is gone (send timeout), its engine work aborted
+        assert await wait_until(lambda: not server.connections, timeout=5)
+        assert await wait_until(lambda: engine.health().running_requests == 0, timeout=2)
+        metrics = server.metrics.render().decode()
+        assert 'voicegw_closes_total{code="1008"} 1.0' in metrics
+        slow.transport.abort()
+
+
+async def test_abrupt_disconnects_leave_no_engine_requests(speech_engine: SpeechEngine,
+                                                           make_gateway: GatewayFactory):
+    async with make_gateway(speech_engine, limits={"max_sessions": 64}) as server:
+
+        async def one(i: int) -> None:
+            c = await Client.open(server.ws_url)
+            await c.start()
+            await c.speak(f"Client number {i} is speaking and will vanish, mid sentence. " * 3, end=False)
+            if i % 2 == 0:
+                while not c.frames:  # half of them disconnect while audio streams
+                    await c.recv_one(timeout=30)
+            c.ws.transport.abort()
+
+        for batch in range(5):
+            await asyncio.gather(*(one(batch * 20 + i) for i in range(20)))
+        assert await wait_until(lambda: not server.connections, timeout=5)
+        assert await wait_until(lambda: speech_engine.health().running_requests == 0, timeout=5), \
+            speech_engine.health()
+
+
+MALFORMED: list[tuple[str | bytes, str, str | None]] = [
+    ("this is not json", "invalid_json", None),
+    ('{"type": "text.delta", "text": "unterminated', "invalid_json", None),
+    ("[1, 2, 3]", "invalid_message", None),
+    ('{"text": "no type"}', "invalid_message", None),
+    ('{"type": 7}', "invalid_message", None),
+    ('{"type": "text.shout", "text": "x"}', "unknown_type", None),
+    ('{"type": "text.delta", "text": 42}', "invalid_field", "text"),
+    ('{"type": "text.delta"}', "invalid_field", "text"),
+    ('{"type": "text.delta", "text": "x", "colour": "red"}', "invalid_field", "colour"),
+    ('{"type": "playback", "played_samples": -5}', "invalid_field", "played_samples"),
+    ('{"type": "playback", "played_samples": true}', "invalid_field", "played_samples"),
+    ('{"type": "session.start"}', "session_already_started", None),
+    (b"\x00\x01binary", "binary_not_allowed", None),
+]
+
+
+async def test_malformed_inputs_get_documented_errors(speech_engine: SpeechEngine,
+                                                      make_gateway: GatewayFactory):
+    documented = Path(__file__).resolve().parents[2].joinpath("docs", "protocol.md").read_text()
+    async with make_gateway(speech_engine) as server:
+        c = await Client.open(server.ws_url, fast_playback=True)
+        # text before session.start
+        await c.send({"type": "text.delta", "text": "too early", "id": 1})
+        err = await c.wait_for("error")
+        assert err["code"] == "session_not_started" and err["id"] == 1 and err["fatal"] is False
+        await c.send({"type": "session.start", "sample_rate": 12345})
+        err = await c.wait_for("error")
+        assert err["code"] == "invalid_field" and err["field"] == "sample_rate"
+        await c.send({"type": "session.start", "options": {"temperature": "hot"}})
+        err = await c.wait_for("error")
+        assert err["code"] == "invalid_field" and err["field"] == "options.temperature"
+        await c.start()
+        # malformed input in the middle of an utterance loses nothing of it
+        await c.speak("First half of the sentence, ", end=False)
+        for raw, code, field in MALFORMED:
+            await c.send(raw)
+            err = await c.wait_for("error")
+            assert err["code"] == code, raw
+            assert err.get("field") == field, raw
+            assert err["message"] == P.ERROR_MESSAGES[P.ErrorCode(code)]  # fixed text, no exception text
+            assert f"`{code}`" in documented
+        await c.speak("and the second half.")
+        done = await c.wait_for("utterance.done")
+        assert done["status"] == "ok"
+        spoken = "".join(m["text"] for m in c.messages if m["type"] == "segment.started")
+        assert _norm(spoken) == _norm("First half of the sentence, and the second half.")
+        await c.send({"type": "ping", "id": "p", "t": 1.5})
+        pong = await c.wait_for("pong")
+        assert pong["id"] == "p" and pong["t"] == 1.5
+        await c.close()
+
+
+async def test_text_limits(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
+    limits = {"max_utterance_chars": 50, "max_chars_per_s": 20.0}
+    async with make_gateway(fake_engine, limits=limits) as server:
+        c = await Client.open(server.ws_url, fast_playback=True)
+        await c.start()
+        await c.send({"type": "text.delta", "text": "x" * 51})
+        assert (await c.wait_for("error"))["code"] == "text_too_long"
+        await c.send({"type": "text.delta", "text": "Short text. "})
+        await c.send({"type": "text.delta", "text": "y" * 45})
+        err = await c.wait_for("error")
+        assert err["code"] == "text_too_long" and err["utterance_id"] == 1
+        await c.send({"type": "text.end"})
+        assert (await c.wait_for("utterance.done"))["status"] == "ok"
+        # rate: 20 chars/s, a one-second burst; a delta is accepted while there is credit left
+        await c.send({"type": "text.delta", "text": "z" * 40 + " "})
+        await c.send({"type": "text.delta", "text": "again"})
+        assert (await c.wait_for("error"))["code"] == "rate_limited"
+        await c.close()
+
+
+async def test_message_too_big_closes_1009(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
+    async with make_gateway(fake_engine, limits={"max_message_bytes": 1024}) as server:
+        c = await Client.open(server.ws_url)
+        await c.start()
+        await c.send({"type": "text.delta", "text": "a" * 2000})
+        with pytest.raises(ConnectionClosed):
+            await c.recv_one(timeout=3)
+        assert c.ws.close_code == 1009
+
+
+async def test_idle_session_is_closed(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
+    async with make_gateway(fake_engine, limits={"idle_timeout_s": 0.3}) as server:
+        c = await Client.open(server.ws_url)
+        await c.start()
+        with pytest.raises(ConnectionClosed):
+            await c.recv_one(timeout=3)
+        assert c.ws.close_code == 1000 and c.ws.close_reason == "idle"
+
+
+async def test_auth_origin_and_capacity(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
+    gw = {"auth_tokens": ("s3cret",)}
+    async with make_gateway(fake_engine, gateway=gw, limits={"max_sessions": 2}) as server:
+        url = server.ws_url
+        for kwargs in ({}, {"additional_headers": {"Authorization": "Bearer wrong"}}):
+            with pytest.raises(InvalidStatus) as ei:
+                await Client.open(url, **kwargs)
+            assert ei.value.response.status_code == 401
+        with pytest.raises(InvalidStatus) as ei:
+            await Client.open(url + "?token=nope")
+        assert ei.value.response.status_code == 401
+        # the three ways to present a token
+        a = await Client.open(url, additional_headers={"Authorization": "Bearer s3cret"})
+        b = await Client.open(url, subprotocols=[P.SUBPROTOCOL, P.TOKEN_SUBPROTOCOL_PREFIX + "s3cret"])
+        assert b.ws.subprotocol == P.SUBPROTOCOL  # the token subprotocol is never selected
+        await b.close()
+        assert await wait_until(lambda: len(server.connections) == 1)
+        q = await Client.open(url + "?token=s3cret", origin=f"http://127.0.0.1:{server.port}")
+        await q.start()
+        # over the cap: 503 at the handshake
+        with pytest.raises(InvalidStatus) as ei:
+            await Client.open(url + "?token=s3cret")
+        assert ei.value.response.status_code == 503
+        # foreign origin: 403
+        await q.close()
+        assert await wait_until(lambda: len(server.connections) == 1)
+        with pytest.raises(InvalidStatus) as ei:
+            await Client.open(url + "?token=s3cret", origin="http://evil.example")
+        assert ei.value.response.status_code == 403
+        # a protocol version this server does not speak: 400
+        with pytest.raises(InvalidStatus) as ei:
+            await Client.open(url + "?token=s3cret", subprotocols=["voicegw.v9"])
+        assert ei.value.response.status_code == 400
+        await a.close()
+    allowed = {"allowed_origins": ("https://app.example",)}
+    async with make_gateway(fake_engine, gateway=allowed) as server:
+        ok = await Client.open(server.ws_url, origin="https://app.example")
+        await ok.close()
+        with pytest.raises(InvalidStatus) as ei:
+            await Client.open(server.ws_url, origin=f"http://127.0.0.1:{server.port}")
+        assert ei.value.response.status_code == 403
+
+
+async def test_healthz_metrics_and_static(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory,
+                                          tmp_path: Path):
+    web = tmp_path / "web"
+    (web / "js").mkdir(parents=True)
+    (web / "index.html").write_text("<!doctype html><title>voicegw</title>")
+    (web / "js" / "player.js").write_text("export const x = 1;")
+    (tmp_path / "secret.txt").write_text("outside")
+    async with make_gateway(fake_engine, static_dir=web) as server:
+        c = await Client.open(server.ws_url, fast_playback=True)
+        await c.start()
+        await c.speak("Some speech for the metrics.")
+        await c.wait_for("utterance.done")
+
+        status, headers, body = await _http_get(server.url + "/healthz")
+        health = orjson.loads(body)
+        assert status == 200 and headers["Content-Type"] == "application/json"
+        assert health["engine"] == fake_engine.name and health["healthy"] is True
+        assert health["sessions"] == 1
+
+        status, headers, body = await _http_get(server.url + "/metrics")
+        text = body.decode()
+        assert status == 200 and headers["Content-Type"].startswith("text/plain")
+        for name in ("voicegw_ttfa_seconds_count 1.0", 'voicegw_ttfa_part_seconds_count{part="engine"} 1.0',
+                     "voicegw_open_sessions 1.0", 'voicegw_utterances_total{outcome="ok"} 1.0'):
+            assert name in text, name
+
+        status, headers, body = await _http_get(server.url + "/")
+        assert status == 200 and headers["Content-Type"].startswith("text/html") and b"voicegw" in body
+        status, headers, body = await _http_get(server.url + "/js/player.js")
+        assert status == 200 and headers["Content-Type"].startswith("text/javascript")
+        for bad in ("/../secret.txt", "/%2e%2e/secret.txt", "/nope.js"):
+            status, _, _ = await _http_get(server.url + bad)
+            assert status == 404, bad
+        status, _, body = await _http_get(server.url + "/protocol.json")
+        assert status == 200 and orjson.loads(body)["subprotocol"] == P.SUBPROTOCOL
+
+        fake_engine.healthy = False
+        status, _, body = await _http_get(server.url + "/healthz")
+        assert status == 503 and orjson.loads(body)["healthy"] is False
+        await c.close()
+
+
+async def test_formats_and_rates(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
+    async with make_gateway(fake_engine) as server:
+        c = await Client.open(server.ws_url, fast_playback=True)
+        s = await c.start(sample_rate=8000, format="mulaw", voice=1234, language="en",
+                          options={"temperature": 0.1, "seed": 7})
+        assert s["sample_rate"] == 8000 and s["format"] == "mulaw"
+        await c.speak("Telephone quality audio.")
+        done = await c.wait_for("utterance.done")
+        frames = c.utterance_frames(1)
+        assert all(f.header.format is P.AudioFormat.MULAW for f in frames)
+        assert sum(len(f.payload) for f in frames) == done["samples"] == fake_engine.expected_samples(
+            "Telephone quality audio.", 8000)
+        pcm = mulaw_decode(b"".join(f.payload for f in frames))
+        assert abs(int(pcm.max())) > 5000  # the tone survived the encoding
+        req = fake_engine.requests[-1]
+        assert req.sample_rate_hz == 8000 and req.speaker == 1234
+        assert req.params.temperature == 0.1 and req.params.seed == 7
+        await c.close()
+
+
+async def test_flow_window_holds_back_audio_and_engine(make_gateway: GatewayFactory):
+    engine = FakeSpeechEngine(speed=100.0)
+    async with make_gateway(engine, limits={"flow_window_ms": 500}) as server:
+        c = await Client.open(server.ws_url)
+        await c.start()
+        await c.send({"type": "playback", "played_samples": 0, "buffered_ms": 0})
+        await c.speak(" ".join(["A long sentence to produce plenty of audio for the test."] * 6))
+        window = int(0.5 * 24_000)
+        with pytest.raises(TimeoutError):
+            while True:
+                await c.recv_one(timeout=0.4)
+        assert 0 < c.received_samples <= window  # never more than the window ahead of the playhead
+        chunks = engine.chunks_made
+        await asyncio.sleep(0.3)
+        assert engine.chunks_made == chunks  # the engine is not pulled while there is no credit
+        await c.send({"type": "playback", "played_samples": c.received_samples, "buffered_ms": 0})
+        await c.recv_one(timeout=2)
+        with pytest.raises(TimeoutError):
+            while True:
+                await c.recv_one(timeout=0.4)
+        assert window < c.received_samples <= 2 * window
+        c.fast_playback = True
+        await c.send({"type": "playback", "played_samples": c.received_samples})
+        done = await c.wait_for("utterance.done")
+        assert done["samples"] == c.received_samples
+        await c.close()
+
+
+async def test_engine_errors(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
+    async with make_gateway(fake_engine) as server:
+        c = await Client.open(server.ws_url, fast_playback=True)
+        await c.start()
+        await c.speak(f"This part fails {fake_engine.fail_marker} right away. More text", end=False)
+        err = await c.wait_for("error")
+        assert err["code"] == "engine_error" and err["utterance_id"] == 1 and err["fatal"] is False
+        await c.speak(" that is ignored.")
+        done = await c.wait_for("utterance.done")
+        assert done["status"] == "error" and done["error"] == "engine_error"
+        await c.speak(f"Overloaded {fake_engine.overload_marker} now.")
+        assert (await c.wait_for("error"))["code"] == "engine_overloaded"
+        assert (await c.wait_for("utterance.done"))["status"] == "error"
+        await c.speak("The session still works.")
+        assert (await c.wait_for("utterance.done"))["status"] == "ok"
+        await c.speak(f"Engine {fake_engine.crash_marker} dies.")
+        err = await c.wait_for("error")
+        assert err["code"] == "engine_unavailable" and err["fatal"] is True
+        with pytest.raises(ConnectionClosed):
+            await c.recv_one(timeout=3)
+        assert c.ws.close_code == 1011
+        assert await wait_until(lambda: fake_engine.health().running_requests == 0)
+
+
+async def test_graceful_shutdown(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
+    async with make_gateway(fake_engine) as server:
+        c = await Client.open(server.ws_url, fast_playback=True)
+        await c.start()
+        await c.speak("An answer that is being spoken when the server is asked to stop.")
+        await c.recv_one()
+        stopping = asyncio.create_task(server.shutdown(grace_s=5))
+        done = await c.wait_for("utterance.done")  # the utterance finishes
+        assert done["status"] == "ok"
+        with pytest.raises(ConnectionClosed):
+            while True:
+                await c.recv_one(timeout=3)
+        assert c.ws.close_code == 1001
+        await stopping
+        with pytest.raises(OSError):
+            await Client.open(server.ws_url)
+
+
+async def test_shutdown_deadline_aborts(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
+    async with make_gateway(fake_engine) as server:
+        c = await Client.open(server.ws_url)
+        await c.start()
+        await c.speak("An utterance whose text never ends", end=False)
+        t0 = time.monotonic()
+        await server.shutdown(grace_s=0.3)
+        assert time.monotonic() - t0 < 3
+        with pytest.raises(ConnectionClosed):
+            while True:
+                await c.recv_one(timeout=3)
+        assert c.ws.close_code == 1001
+        assert fake_engine.health().running_requests == 0
