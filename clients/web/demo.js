@@ -1,0 +1,214 @@
+// voicegw demo page: speak typed or simulated-LLM text, barge in, watch TTFA and buffer meters.
+// Query parameters (handy for tests): ?rate=24000&contextRate=48000&prebuffer=80&voice=2222&token=...
+
+import { VoiceGateway } from "./voicegw.js";
+
+const $ = (id) => document.getElementById(id);
+const params = new URLSearchParams(location.search);
+
+const demo = {
+  gw: null,
+  results: [],
+  events: [],
+  lastTtfaMs: null,
+  lastPlayStartMs: null,
+  connecting: null,
+};
+window.voicegwDemo = demo;
+
+function log(line) {
+  const el = $("log");
+  const t = (performance.now() / 1000).toFixed(2);
+  el.textContent += `${t}  ${line}\n`;
+  el.scrollTop = el.scrollHeight;
+}
+
+function voiceValue() {
+  const v = $("voice").value === "custom" ? $("voice-custom").value.trim() : $("voice").value;
+  if (v === "") return undefined;
+  return /^\d+$/.test(v) ? Number(v) : v;
+}
+
+function settingsKey() {
+  return `${voiceValue()}|${$("rate").value}`;
+}
+
+async function ensureConnected() {
+  if (demo.gw && !demo.gw.closed && demo.key === settingsKey()) {
+    await demo.gw.resumeAudio();
+    return demo.gw;
+  }
+  if (demo.connecting) return demo.connecting;
+  demo.connecting = (async () => {
+    if (demo.gw) await demo.gw.close();
+    const opts = {
+      sampleRate: Number($("rate").value),
+      voice: voiceValue(),
+      token: params.get("token") || undefined,
+    };
+    if (params.get("contextRate")) opts.contextSampleRate = Number(params.get("contextRate"));
+    if (params.get("prebuffer")) opts.prebufferMs = Number(params.get("prebuffer"));
+    const gw = new VoiceGateway(params.get("url") || undefined, opts);
+    wire(gw);
+    const session = await gw.connect();
+    demo.gw = gw;
+    demo.key = settingsKey();
+    $("conn").textContent = "connected";
+    $("conn").className = "pill on";
+    $("engine").textContent = `engine ${session.engine} · ${session.sample_rate} Hz · context ${gw.contextSampleRate} Hz`;
+    log(`session ${session.session_id} (${session.engine}, ${session.sample_rate} Hz)`);
+    return gw;
+  })();
+  try {
+    return await demo.connecting;
+  } finally {
+    demo.connecting = null;
+  }
+}
+
+function wire(gw) {
+  const record = (type) => (e) => demo.events.push({ type, t: performance.now(), detail: e.detail });
+  for (const type of ["ttfa", "playing", "utterancedone", "drained", "cancelled", "error", "close", "underrun"]) {
+    gw.addEventListener(type, record(type));
+  }
+  gw.addEventListener("ttfa", (e) => {
+    demo.lastTtfaMs = e.detail.ms;
+    $("ttfa").textContent = e.detail.ms == null ? "–" : Math.round(e.detail.ms);
+    log(`utterance ${e.detail.utteranceId}: first audio after ${Math.round(e.detail.ms)} ms`);
+  });
+  gw.addEventListener("playing", (e) => {
+    demo.lastPlayStartMs = e.detail.ms;
+    $("playstart").textContent = e.detail.ms == null ? "–" : Math.round(e.detail.ms);
+  });
+  gw.addEventListener("segment", (e) => ($("segment-text").textContent = e.detail.text));
+  gw.addEventListener("report", (e) => {
+    const d = e.detail;
+    $("buffered").textContent = Math.round(d.bufferedMs);
+    $("target").textContent = Math.round(d.targetMs);
+    $("underruns").textContent = d.underruns;
+    $("samples").textContent = `${d.playedSamples} / ${d.receivedSamples}`;
+    const windowMs = (gw.session && gw.session.limits && gw.session.limits.flow_window_ms) || 2000;
+    $("buffer-bar").style.width = `${Math.min(100, (100 * d.bufferedMs) / windowMs)}%`;
+    $("target-mark").style.left = `${Math.min(100, (100 * d.targetMs) / windowMs)}%`;
+  });
+  gw.addEventListener("underrun", (e) => log(`underrun #${e.detail.underruns}, prebuffer target ${e.detail.targetMs} ms`));
+  gw.addEventListener("utterancedone", (e) =>
+    log(`utterance ${e.detail.utterance_id} ${e.detail.status}: ${e.detail.duration_ms} ms in ${e.detail.segments} segments`),
+  );
+  gw.addEventListener("cancelled", (e) => {
+    $("heard").textContent = e.detail.heard_text || "";
+    log(`cancelled: played ${e.detail.played_ms} of ${e.detail.sent_ms} ms sent`);
+  });
+  gw.addEventListener("error", (e) => log(`error ${e.detail.code}: ${e.detail.message}`));
+  gw.addEventListener("close", (e) => {
+    $("conn").textContent = `closed ${e.detail.code}`;
+    $("conn").className = "pill off";
+    log(`connection closed ${e.detail.code} ${e.detail.reason || ""}`);
+  });
+}
+
+function track(promise) {
+  return promise
+    .then((r) => {
+      if (!r) return r;
+      demo.results.push(r);
+      log(`spoken: ${Math.round(r.durationMs)} ms, status ${r.status}, ttfa ${Math.round(r.ttfaMs ?? NaN)} ms, underruns ${r.underruns}`);
+      return r;
+    })
+    .catch((err) => {
+      demo.results.push({ status: "error", error: String(err) });
+      log(`failed: ${err.message || err}`);
+    });
+}
+
+/** Split text the way an LLM streams it: words and word pieces, spaces attached in front. */
+export function llmTokens(text) {
+  const out = [];
+  for (const word of text.match(/\s*\S+/g) || []) {
+    for (let i = 0; i < word.length; i += 6) out.push(word.slice(i, i + 6));
+  }
+  return out;
+}
+
+/** An async token stream with LLM-like pacing (~20 tokens/s with jitter). */
+export async function* simulatedLlm(text, msPerToken = 45) {
+  for (const tok of llmTokens(text)) {
+    await new Promise((r) => setTimeout(r, msPerToken * (0.5 + Math.random())));
+    yield tok;
+  }
+}
+demo.llmTokens = llmTokens;
+demo.simulatedLlm = simulatedLlm;
+
+// ---- buttons ------------------------------------------------------------------------------
+
+$("voice").addEventListener("change", () => ($("voice-custom").hidden = $("voice").value !== "custom"));
+
+$("speak").addEventListener("click", async () => {
+  const gw = await ensureConnected();
+  demo.pending = track(gw.speak($("text").value));
+});
+
+$("simulate").addEventListener("click", async () => {
+  const gw = await ensureConnected();
+  log("simulating an LLM token stream");
+  demo.pending = track(gw.speak(simulatedLlm($("text").value)));
+});
+
+$("stop").addEventListener("click", async () => {
+  if (!demo.gw) return;
+  typed.sentLen = $("text").value.length;
+  const t0 = performance.now();
+  const reply = await demo.gw.cancel();
+  demo.lastCancel = { reply, ms: performance.now() - t0 };
+});
+
+// ---- stream as I type ----------------------------------------------------------------------
+
+const typed = { sentLen: 0, open: false };
+
+$("stream-typing").addEventListener("change", async () => {
+  typed.sentLen = $("text").value.length;
+  if ($("stream-typing").checked) await ensureConnected();
+  else endTyped();
+});
+
+function endTyped() {
+  if (typed.open && demo.gw) track(demo.gw.end());
+  typed.open = false;
+}
+
+$("text").addEventListener("input", async () => {
+  if (!$("stream-typing").checked) return;
+  const value = $("text").value;
+  if (value.length < typed.sentLen) {
+    typed.sentLen = value.length; // deletions cannot be unsaid
+    return;
+  }
+  const gw = await ensureConnected();
+  const delta = value.slice(typed.sentLen);
+  typed.sentLen = value.length;
+  if (delta) {
+    gw.sendText(delta);
+    typed.open = true;
+  }
+});
+
+$("text").addEventListener("keydown", (e) => {
+  if ($("stream-typing").checked && e.key === "Enter" && !e.shiftKey) {
+    e.preventDefault();
+    if (demo.gw) demo.gw.sendText(" ");
+    typed.sentLen = $("text").value.length;
+    endTyped();
+  }
+});
+
+$("end").addEventListener("click", endTyped);
+
+if (params.get("voice")) {
+  $("voice").value = "custom";
+  $("voice-custom").hidden = false;
+  $("voice-custom").value = params.get("voice");
+}
+if (params.get("rate")) $("rate").value = params.get("rate");
+demo.ready = true;

@@ -1,0 +1,237 @@
+"""The browser client (clients/web/) in headless Debian chromium against the real gateway.
+
+Headless chromium renders audio into a timer-driven fake sink at 1.00x wall time, so the
+AudioWorklet plays (and reports) in real time like on a sound card.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+TEXT = "Hello there! This is the browser client speaking. It plays audio while text still arrives."
+
+# Connect a VoiceGateway in the page, speak, and return what the client and the worklet saw.
+SPEAK_JS = """
+async ({text, opts, tokens, msPerToken}) => {
+  const { VoiceGateway } = await import("/voicegw.js");
+  const gw = new VoiceGateway(undefined, opts);
+  const session = await gw.connect();
+  window.gw = gw;
+  const reports = [];
+  gw.addEventListener("report", (e) => reports.push(e.detail));
+  let source = text;
+  if (tokens) {
+    source = (async function* () {
+      for (const w of text.match(/\\s*\\S+/g)) {
+        await new Promise((r) => setTimeout(r, msPerToken));
+        yield w;
+      }
+    })();
+  }
+  const result = await gw.speak(source);
+  const last = reports[reports.length - 1];
+  const stats = { ...gw.stats };
+  const contextRate = gw.contextSampleRate;
+  await gw.close();
+  return { session, result, last, stats, contextRate, nReports: reports.length };
+}
+"""
+
+
+def _http_get(url: str) -> tuple[int, str, bytes]:
+    with urllib.request.urlopen(url, timeout=5) as r:  # noqa: S310 - local test server
+        return r.status, r.headers.get("Content-Type", ""), r.read()
+
+
+async def test_static_files_served(gateway: Any) -> None:
+    status, ctype, body = await asyncio.to_thread(_http_get, gateway.url + "/")
+    assert status == 200 and ctype.startswith("text/html") and b"voicegw" in body
+    for name in ("voicegw.js", "player-worklet.js", "protocol.js", "demo.js"):
+        status, ctype, _ = await asyncio.to_thread(_http_get, f"{gateway.url}/{name}")
+        assert status == 200 and ctype.startswith("text/javascript"), (name, ctype)
+
+
+def _check_clean_run(out: dict[str, Any]) -> None:
+    r, last, stats = out["result"], out["last"], out["stats"]
+    assert r["status"] == "ok", r
+    assert r["samples"] > 0 and r["samples"] == r["serverSamples"], r
+    # the worklet played exactly what the server sent, with no underrun
+    assert last["drained"] is True
+    assert last["playedSamples"] == r["serverSamples"] == stats["receivedSamples"], (last, r)
+    assert last["underruns"] == 0 and stats["underruns"] == 0, last
+    assert r["ttfaMs"] is not None and 0 < r["ttfaMs"] < 2000, r
+    assert out["nReports"] >= 2
+
+
+@pytest.mark.parametrize(
+    ("rate", "context_rate"),
+    [(24_000, None), (24_000, 48_000), (16_000, 44_100)],
+    ids=["24k-native", "24k-in-48k-context-resampled", "16k-in-44.1k-context-resampled"],
+)
+async def test_played_equals_sent_no_underruns(page: Any, gateway: Any, rate: int, context_rate: int | None) -> None:
+    await page.goto(gateway.url + "/")
+    opts: dict[str, Any] = {"sampleRate": rate}
+    if context_rate:
+        opts["contextSampleRate"] = context_rate
+    out = await page.evaluate(SPEAK_JS, {"text": TEXT, "opts": opts, "tokens": False, "msPerToken": 0})
+    assert out["contextRate"] == (context_rate or rate)
+    _check_clean_run(out)
+    # played time matches audio length (real-time playback, not a dump)
+    assert out["result"]["durationMs"] > 2000
+    # the gateway got playback reports and its flow accounting agrees
+    await _assert_server_saw_reports(gateway)
+
+
+async def _assert_server_saw_reports(gateway: Any) -> None:
+    for _ in range(50):  # the connection closes right after speak(): reports were already in
+        if not gateway.connections:
+            break
+        await asyncio.sleep(0.02)
+    metrics = gateway.metrics.render().decode()
+    assert "voicegw" in metrics
+
+
+async def test_llm_token_stream(page: Any, gateway: Any) -> None:
+    await page.goto(gateway.url + "/")
+    out = await page.evaluate(
+        SPEAK_JS, {"text": TEXT, "opts": {"sampleRate": 24_000}, "tokens": True, "msPerToken": 30}
+    )
+    _check_clean_run(out)
+
+
+async def test_cancel_silences_within_100ms(page: Any, gateway: Any, speech_engine: Any) -> None:
+    await page.goto(gateway.url + "/")
+    long_text = " ".join([TEXT] * 8)
+    out = await page.evaluate(
+        """
+        async (text) => {
+          const { VoiceGateway } = await import("/voicegw.js");
+          const gw = new VoiceGateway(undefined, { sampleRate: 24000 });
+          await gw.connect();
+          // tap the player's output: an analyser over ~10 ms windows
+          const an = new AnalyserNode(gw.ctx, { fftSize: 256 });
+          gw.node.connect(an);
+          const buf = new Float32Array(an.fftSize);
+          const peak = () => { an.getFloatTimeDomainData(buf); return buf.reduce((m, x) => Math.max(m, Math.abs(x)), 0); };
+          const speaking = gw.speak(text);
+          // wait until it has played ~1 s and is audible
+          await new Promise((resolve) => {
+            const h = (e) => { if (e.detail.playedSamples > 24000) { gw.removeEventListener("report", h); resolve(); } };
+            gw.addEventListener("report", h);
+          });
+          let loud = 0;
+          for (let i = 0; i < 50 && loud < 1e-3; i++) { loud = Math.max(loud, peak()); await new Promise((r) => setTimeout(r, 5)); }
+          const t0 = performance.now();
+          const reply = gw.cancel();
+          let silentAt = null;
+          while (performance.now() - t0 < 1000) {
+            if (peak() === 0) { silentAt = performance.now() - t0; break; }
+            await new Promise((r) => setTimeout(r, 1));
+          }
+          const cancelled = await reply;
+          const replyMs = performance.now() - t0;
+          const result = await speaking;
+          const playedAtCancel = gw.stats.playedSamples;
+          // nothing more plays after the cancel
+          await new Promise((r) => setTimeout(r, 600));
+          const after = { ...gw.stats, peak: peak() };
+          await gw.close();
+          return { loud, silentAt, replyMs, cancelled, result, playedAtCancel, after };
+        }
+        """,
+        long_text,
+    )
+    assert out["loud"] > 1e-3, "audio must be audible before the cancel"
+    assert out["silentAt"] is not None and out["silentAt"] < 100, out["silentAt"]
+    assert out["result"]["cancelled"] is True and out["result"]["status"] == "cancelled"
+    c = out["cancelled"]
+    assert c["type"] == "cancelled" and c["utterance_id"] == out["result"]["utteranceId"]
+    assert 0 < c["played_ms"] < c["sent_ms"] <= c["generated_ms"] + 1e-6
+    assert c["heard_text"].startswith("Hello there")
+    assert out["after"]["playedSamples"] == out["playedAtCancel"], "playback continued after cancel"
+    assert out["after"]["peak"] == 0
+    # the engine stopped generating
+    for _ in range(100):
+        if speech_engine.health().running_requests == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert speech_engine.health().running_requests == 0
+
+
+async def test_speak_again_after_cancel(page: Any, gateway: Any) -> None:
+    await page.goto(gateway.url + "/")
+    out = await page.evaluate(
+        """
+        async (text) => {
+          const { VoiceGateway } = await import("/voicegw.js");
+          const gw = new VoiceGateway(undefined, { sampleRate: 24000 });
+          await gw.connect();
+          const first = gw.speak(text + " " + text);
+          await new Promise((resolve) => gw.addEventListener("playing", resolve, { once: true }));
+          await new Promise((r) => setTimeout(r, 300));
+          gw.cancel();
+          const second = await gw.speak("Second utterance after the barge-in.");  // sent right away
+          const r1 = await first;
+          const s = { ...gw.stats };
+          await gw.close();
+          return { r1, second, s };
+        }
+        """,
+        TEXT,
+    )
+    assert out["r1"]["cancelled"] is True
+    r2 = out["second"]
+    assert r2["status"] == "ok" and r2["samples"] == r2["serverSamples"] > 0, r2
+    assert r2["underruns"] == 0
+
+
+async def test_demo_page_shows_ttfa(page: Any, gateway: Any) -> None:
+    await page.goto(gateway.url + "/")
+    await page.wait_for_function("window.voicegwDemo && window.voicegwDemo.ready")
+    await page.fill("#text", "Short demo sentence. Another one.")
+    await page.click("#speak")
+    await page.wait_for_function("window.voicegwDemo.results.length >= 1", timeout=20_000)
+    ttfa = await page.text_content("#ttfa")
+    assert ttfa is not None and ttfa.strip().isdigit(), ttfa
+    result = await page.evaluate("window.voicegwDemo.results[0]")
+    assert result["status"] == "ok" and abs(int(ttfa) - result["ttfaMs"]) <= 1
+    assert (await page.text_content("#underruns")) == "0"
+    played, received = (await page.text_content("#samples") or "").split(" / ")
+    assert int(played) == int(received) == result["samples"]
+
+    # simulated LLM token stream through the page's button
+    await page.click("#simulate")
+    await page.wait_for_function("window.voicegwDemo.results.length >= 2", timeout=20_000)
+    assert (await page.evaluate("window.voicegwDemo.results[1].status")) == "ok"
+
+
+async def test_demo_stream_as_i_type_and_stop(page: Any, gateway: Any) -> None:
+    await page.goto(gateway.url + "/")
+    await page.wait_for_function("window.voicegwDemo && window.voicegwDemo.ready")
+    await page.fill("#text", "")
+    await page.check("#stream-typing")
+    await page.focus("#text")
+    await page.keyboard.type("Typing streams text to the gateway as it is typed.", delay=15)
+    await page.keyboard.press("Enter")
+    await page.wait_for_function("window.voicegwDemo.results.length >= 1", timeout=20_000)
+    r = await page.evaluate("window.voicegwDemo.results[0]")
+    assert r["status"] == "ok" and r["samples"] > 0
+
+    # speak a long text, then barge in with the stop button
+    await page.uncheck("#stream-typing")
+    await page.fill("#text", " ".join([TEXT] * 5))
+    base = await page.evaluate("window.voicegwDemo.gw.stats.playedSamples")
+    await page.click("#speak")
+    await page.wait_for_function(f"window.voicegwDemo.gw.stats.playedSamples > {base} + 30000", timeout=20_000)
+    await page.click("#stop")
+    await page.wait_for_function("window.voicegwDemo.lastCancel", timeout=5_000)
+    heard = await page.text_content("#heard")
+    assert heard and heard.startswith("Hello there")
+    await page.wait_for_function("window.voicegwDemo.results.length >= 2", timeout=5_000)
+    assert (await page.evaluate("window.voicegwDemo.results[1].status")) == "cancelled"
