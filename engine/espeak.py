@@ -8,7 +8,8 @@ eSpeak NG keeps global state and is not thread-safe, so one dedicated worker thr
   the requests that have room, so concurrent requests share the worker fairly and a long
   text cannot hold everyone else back.
 * eSpeak runs in synchronous mode: ``espeak_Synth`` calls our callback with ~``buffer_ms`` of
-  22050 Hz PCM at a time. The callback resamples (``soxr`` stream, per request) and hands the
+  22050 Hz PCM at a time. The callback resamples (``engine.audio_format.StreamResampler``,
+  soxr, one per request) and hands the
   chunk to the request's asyncio queue through ``loop.call_soon_threadsafe``. Returning 1 from
   the callback stops eSpeak at once: that is how ``abort`` is prompt.
 * Bounded: a request is only given its next piece while it has less than ``max_buffered_ms``
@@ -47,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from engine.api import AudioChunk, EngineError, EngineErrorKind, EngineHealth, SpeechRequest
+from engine.audio_format import StreamResampler, pcm16_bytes, pcm16_to_float
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +162,7 @@ class _Job:
     out_rate_hz: int
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[bytes | None | BaseException]
-    resampler: object | None = None
+    resampler: StreamResampler | None = None
     queued_samples: int = 0
     """Output samples handed to the queue and not yet read (guarded by the engine lock)."""
     aborted: bool = False
@@ -415,11 +417,6 @@ class EspeakSpeech:
     def _resample(job: _Job, samples: np.ndarray, last: bool) -> bytes:
         if job.out_rate_hz == ESPEAK_SAMPLE_RATE_HZ:
             return samples.astype("<i2").tobytes()
-        import soxr
-
         if job.resampler is None:
-            job.resampler = soxr.ResampleStream(
-                ESPEAK_SAMPLE_RATE_HZ, job.out_rate_hz, 1, dtype="int16", quality="HQ"
-            )
-        out = job.resampler.resample_chunk(samples, last=last)  # type: ignore[attr-defined]
-        return np.asarray(out, dtype="<i2").tobytes()
+            job.resampler = StreamResampler(ESPEAK_SAMPLE_RATE_HZ, job.out_rate_hz)
+        return pcm16_bytes(job.resampler.process(pcm16_to_float(samples), last=last))
