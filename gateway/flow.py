@@ -14,8 +14,9 @@ Where ``consumed`` comes from:
   played): ``consumed = played_samples + discarded``. Nothing is extrapolated while reports are
   fresh: the server never runs more than the window ahead of the reported playhead.
 * Clients that never report, or whose last report is older than ``stale_report_ms``: a virtual
-  playhead that plays in real time from the first audio (or from the last report), stops when it
-  catches up with ``sent`` (an underrun) and restarts with the next audio.
+  playhead that plays in real time from the first audio (or from the last report's position, once
+  that report is stale), stops when it catches up with ``sent`` (an underrun) and restarts with
+  the next audio.
 * ``cancel``: the client drops its buffer, so ``consumed`` jumps to ``sent``; the samples the
   client had not played are ``discarded`` (exact when ``cancel`` carries ``played_samples``).
 """
@@ -66,7 +67,9 @@ class FlowControl:
         played = max(played_samples, self._reported or 0)
         self._reported = min(played, self.sent - self.discarded)
         self._report_t = now_s
+        # the virtual playhead restarts from the report, and only moves once the report is stale
         self._virtual = float(self._reported + self.discarded)
+        self._virtual_t = now_s + self.config.stale_report_ms / 1000.0
 
     def on_cancel(self, now_s: float, client_played: int | None) -> int:
         """The client dropped its buffer. Returns the client played counter used (exact when it
@@ -91,7 +94,7 @@ class FlowControl:
         self._advance(now_s)
         if self._reported is not None and now_s - self._report_t <= self.config.stale_report_ms / 1000.0:
             return min(self.sent, self._reported + self.discarded)
-        return min(self.sent, int(self._virtual))
+        return min(self.sent, int(self._virtual + 1e-6))
 
     def client_played(self, now_s: float) -> int:
         """Estimate of the client's own played counter (which does not count discarded audio)."""
@@ -108,26 +111,14 @@ class FlowControl:
         return ahead == 0 or ahead + samples <= self.window
 
     def credit_deadline_s(self, now_s: float, samples: int) -> float | None:
-        """When ``can_send(samples)`` will turn true without new events (None: only a report can
-        make it true, or it is true now)."""
+        """When ``can_send(samples)`` will turn true if no report comes (None: it is true now)."""
         if self.can_send(now_s, samples):
             return None
         ahead = self.ahead(now_s)
-        # samples the playhead must advance (sending is always allowed once nothing is ahead)
+        # samples the playhead must advance (sending is always allowed once nothing is ahead);
+        # the virtual playhead moves from _virtual_t on (after a fresh report: once it is stale)
         need = min(ahead, ahead + samples - self.window)
-        start = now_s
-        if self._reported is not None:
-            stale_at = self._report_t + self.config.stale_report_ms / 1000.0
-            if now_s <= stale_at:
-                # the virtual playhead (synced at the report) takes over once the report is stale
-                virtual_then = min(float(self.sent), self._virtual + (stale_at - now_s) * self.rate)
-                consumed_then = max(int(virtual_then), self._reported + self.discarded)
-                ahead_then = self.sent - consumed_then
-                need = min(ahead_then, ahead_then + samples - self.window)
-                if need <= 0:
-                    return stale_at
-                start = stale_at
-        return start + need / self.rate
+        return max(now_s, self._virtual_t) + need / self.rate
 
     def _advance(self, now_s: float) -> None:
         dt = now_s - self._virtual_t

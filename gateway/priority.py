@@ -6,13 +6,14 @@ provide a richer policy with the same signature; the session takes the function 
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import TypeAlias
 
 from voicegw.config import SchedulerConfig
 
-
-class PriorityFn(Protocol):
-    def __call__(self, first_in_utterance: bool, client_buffered_ms: float) -> int: ...
+#: ``(first_in_utterance, client_buffered_ms) -> priority``; client_buffered_ms is the audio the
+#: client still has to play before this segment's audio (sent-not-played plus held in the gateway).
+PriorityFn: TypeAlias = Callable[[bool, float], int]
 
 
 def segment_priority(first_in_utterance: bool, client_buffered_ms: float, cfg: SchedulerConfig) -> int:

@@ -34,6 +34,7 @@ async def speech_engine(request: pytest.FixtureRequest) -> AsyncIterator[SpeechE
         engine: SpeechEngine = FakeSpeechEngine()
     else:
         from engine.factory import create_speech_engine  # type: ignore[import-not-found]
+
         from voicegw.config import EngineConfig
 
         fields: dict[str, Any] = {"backend": ENGINE_KIND, "device": "cpu", "kv_cache_gib": 1.0}
@@ -84,9 +85,9 @@ def make_gateway(tmp_path: Path) -> GatewayFactory:
     return factory
 
 
-async def wait_until(pred: Callable[[], bool], timeout: float = 3.0, interval: float = 0.01) -> bool:
+async def wait_until(pred: Callable[[], bool], within_s: float = 3.0, interval: float = 0.01) -> bool:
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    deadline = loop.time() + within_s
     while loop.time() < deadline:
         if pred():
             return True

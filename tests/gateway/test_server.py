@@ -13,6 +13,7 @@ import orjson
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.typing import Subprotocol
 
 from engine.api import SpeechEngine
 from gateway import protocol as P
@@ -21,6 +22,7 @@ from tests.gateway.conftest import GatewayFactory, wait_until
 from tests.gateway.fakes import FakeSpeechEngine
 from tests.gateway.wsclient import Client
 
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
 TEXT = (
     "Hello there, this is the voice gateway. It speaks text as it arrives, piece by piece! "
     "Numbers like 3.14 stay whole. Does it work? 它也会说中文，对吧。Goodbye."
@@ -67,7 +69,7 @@ async def test_single_characters_play_completely(speech_engine: SpeechEngine, ma
         assert started["engine"] == speech_engine.name and started["sample_rate"] == 24_000
         assert c.ws.subprotocol == P.SUBPROTOCOL
         await c.speak(TEXT, piece_chars=1)
-        done = await c.wait_for("utterance.done", timeout=60)
+        done = await c.wait_for("utterance.done", within_s=60)
         assert done["status"] == "ok"
         assert not c.errors()
         sent = _check_stream(c, done["utterance_id"])
@@ -100,9 +102,9 @@ async def test_cancel_mid_utterance_stops_audio_and_engine(speech_engine: Speech
         assert 0 <= cancelled["played_ms"] <= cancelled["sent_ms"]
         assert long_text.startswith(cancelled["heard_text"])
         n_frames = len(c.frames)
-        assert await wait_until(lambda: speech_engine.health().running_requests == 0, timeout=2)
+        assert await wait_until(lambda: speech_engine.health().running_requests == 0, within_s=2)
         with pytest.raises(TimeoutError):
-            await c.recv_one(timeout=0.3)  # nothing more of utterance 1
+            await c.recv_one(within_s=0.3)  # nothing more of utterance 1
         assert len(c.frames) == n_frames
         # the session goes on: a new utterance after the barge-in plays
         c.fast_playback = True
@@ -124,7 +126,7 @@ async def test_slow_reader_is_closed_and_does_not_slow_another(make_gateway: Gat
             await c.start()
             t0 = time.monotonic()
             await c.speak(text)
-            done = await c.wait_for("utterance.done", timeout=20)
+            done = await c.wait_for("utterance.done", within_s=20)
             assert done["status"] == "ok" and _check_stream(c, 1) == done["samples"]
             await c.close()
             return time.monotonic() - t0
@@ -136,7 +138,7 @@ async def test_slow_reader_is_closed_and_does_not_slow_another(make_gateway: Gat
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", server.port))
         sock.setblocking(False)
-        slow = await connect(server.ws_url, sock=sock, subprotocols=[P.SUBPROTOCOL], compression=None,
+        slow = await connect(server.ws_url, sock=sock, subprotocols=[Subprotocol(P.SUBPROTOCOL)], compression=None,
                              max_queue=1)
         await slow.send(orjson.dumps({"type": "session.start"}).decode())
         await slow.send(orjson.dumps({"type": "text.delta", "text": text * 4}).decode())
@@ -148,8 +150,8 @@ async def test_slow_reader_is_closed_and_does_not_slow_another(make_gateway: Gat
         assert with_slow_s < 2 * solo_s + 0.5, (solo_s, with_slow_s)
 
         # the slow reader is gone (send timeout), its engine work aborted
-        assert await wait_until(lambda: not server.connections, timeout=5)
-        assert await wait_until(lambda: engine.health().running_requests == 0, timeout=2)
+        assert await wait_until(lambda: not server.connections, within_s=5)
+        assert await wait_until(lambda: engine.health().running_requests == 0, within_s=2)
         metrics = server.metrics.render().decode()
         assert 'voicegw_closes_total{code="1008"} 1.0' in metrics
         slow.transport.abort()
@@ -165,13 +167,13 @@ async def test_abrupt_disconnects_leave_no_engine_requests(speech_engine: Speech
             await c.speak(f"Client number {i} is speaking and will vanish, mid sentence. " * 3, end=False)
             if i % 2 == 0:
                 while not c.frames:  # half of them disconnect while audio streams
-                    await c.recv_one(timeout=30)
+                    await c.recv_one(within_s=30)
             c.ws.transport.abort()
 
         for batch in range(5):
             await asyncio.gather(*(one(batch * 20 + i) for i in range(20)))
-        assert await wait_until(lambda: not server.connections, timeout=5)
-        assert await wait_until(lambda: speech_engine.health().running_requests == 0, timeout=5), \
+        assert await wait_until(lambda: not server.connections, within_s=5)
+        assert await wait_until(lambda: speech_engine.health().running_requests == 0, within_s=5), \
             speech_engine.health()
 
 
@@ -194,7 +196,7 @@ MALFORMED: list[tuple[str | bytes, str, str | None]] = [
 
 async def test_malformed_inputs_get_documented_errors(speech_engine: SpeechEngine,
                                                       make_gateway: GatewayFactory):
-    documented = Path(__file__).resolve().parents[2].joinpath("docs", "protocol.md").read_text()
+    documented = DOC
     async with make_gateway(speech_engine) as server:
         c = await Client.open(server.ws_url, fast_playback=True)
         # text before session.start
@@ -254,7 +256,7 @@ async def test_message_too_big_closes_1009(fake_engine: FakeSpeechEngine, make_g
         await c.start()
         await c.send({"type": "text.delta", "text": "a" * 2000})
         with pytest.raises(ConnectionClosed):
-            await c.recv_one(timeout=3)
+            await c.recv_one(within_s=3)
         assert c.ws.close_code == 1009
 
 
@@ -263,7 +265,7 @@ async def test_idle_session_is_closed(fake_engine: FakeSpeechEngine, make_gatewa
         c = await Client.open(server.ws_url)
         await c.start()
         with pytest.raises(ConnectionClosed):
-            await c.recv_one(timeout=3)
+            await c.recv_one(within_s=3)
         assert c.ws.close_code == 1000 and c.ws.close_reason == "idle"
 
 
@@ -271,9 +273,9 @@ async def test_auth_origin_and_capacity(fake_engine: FakeSpeechEngine, make_gate
     gw = {"auth_tokens": ("s3cret",)}
     async with make_gateway(fake_engine, gateway=gw, limits={"max_sessions": 2}) as server:
         url = server.ws_url
-        for kwargs in ({}, {"additional_headers": {"Authorization": "Bearer wrong"}}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
             with pytest.raises(InvalidStatus) as ei:
-                await Client.open(url, **kwargs)
+                await Client.open(url, additional_headers=headers)
             assert ei.value.response.status_code == 401
         with pytest.raises(InvalidStatus) as ei:
             await Client.open(url + "?token=nope")
@@ -382,16 +384,16 @@ async def test_flow_window_holds_back_audio_and_engine(make_gateway: GatewayFact
         window = int(0.5 * 24_000)
         with pytest.raises(TimeoutError):
             while True:
-                await c.recv_one(timeout=0.4)
+                await c.recv_one(within_s=0.4)
         assert 0 < c.received_samples <= window  # never more than the window ahead of the playhead
         chunks = engine.chunks_made
         await asyncio.sleep(0.3)
         assert engine.chunks_made == chunks  # the engine is not pulled while there is no credit
         await c.send({"type": "playback", "played_samples": c.received_samples, "buffered_ms": 0})
-        await c.recv_one(timeout=2)
+        await c.recv_one(within_s=2)
         with pytest.raises(TimeoutError):
             while True:
-                await c.recv_one(timeout=0.4)
+                await c.recv_one(within_s=0.4)
         assert window < c.received_samples <= 2 * window
         c.fast_playback = True
         await c.send({"type": "playback", "played_samples": c.received_samples})
@@ -419,7 +421,7 @@ async def test_engine_errors(fake_engine: FakeSpeechEngine, make_gateway: Gatewa
         err = await c.wait_for("error")
         assert err["code"] == "engine_unavailable" and err["fatal"] is True
         with pytest.raises(ConnectionClosed):
-            await c.recv_one(timeout=3)
+            await c.recv_one(within_s=3)
         assert c.ws.close_code == 1011
         assert await wait_until(lambda: fake_engine.health().running_requests == 0)
 
@@ -435,7 +437,7 @@ async def test_graceful_shutdown(fake_engine: FakeSpeechEngine, make_gateway: Ga
         assert done["status"] == "ok"
         with pytest.raises(ConnectionClosed):
             while True:
-                await c.recv_one(timeout=3)
+                await c.recv_one(within_s=3)
         assert c.ws.close_code == 1001
         await stopping
         with pytest.raises(OSError):
@@ -452,6 +454,6 @@ async def test_shutdown_deadline_aborts(fake_engine: FakeSpeechEngine, make_gate
         assert time.monotonic() - t0 < 3
         with pytest.raises(ConnectionClosed):
             while True:
-                await c.recv_one(timeout=3)
+                await c.recv_one(within_s=3)
         assert c.ws.close_code == 1001
         assert fake_engine.health().running_requests == 0

@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
+from websockets.typing import Subprotocol
 
 from gateway import protocol as P
 
@@ -38,7 +39,8 @@ class Client:
     @classmethod
     async def open(cls, url: str, *, fast_playback: bool = False, subprotocols: list[str] | None = None,
                    **kwargs: Any) -> Client:
-        ws = await connect(url, subprotocols=subprotocols or [P.SUBPROTOCOL], compression=None,
+        offered = [Subprotocol(p) for p in subprotocols or [P.SUBPROTOCOL]]
+        ws = await connect(url, subprotocols=offered, compression=None,
                            open_timeout=5, close_timeout=2, **kwargs)
         return cls(ws, fast_playback)
 
@@ -53,8 +55,8 @@ class Client:
         self.started = await self.wait_for("session.started")
         return self.started
 
-    async def recv_one(self, timeout: float = 5.0) -> dict[str, Any] | Frame:
-        m = await asyncio.wait_for(self.ws.recv(), timeout)
+    async def recv_one(self, within_s: float = 5.0) -> dict[str, Any] | Frame:
+        m = await asyncio.wait_for(self.ws.recv(), within_s)
         if isinstance(m, bytes):
             header, payload = P.unpack_audio_frame(m)
             f = Frame(header, payload)
@@ -69,14 +71,14 @@ class Client:
         self.messages.append(obj)
         return obj  # type: ignore[no-any-return]
 
-    async def wait_for(self, mtype: str, timeout: float = 10.0, **match: Any) -> dict[str, Any]:
+    async def wait_for(self, mtype: str, within_s: float = 10.0, **match: Any) -> dict[str, Any]:
         """Receive until a message of this type (and these field values) arrives."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        deadline = loop.time() + within_s
         while True:
             left = deadline - loop.time()
             if left <= 0:
-                raise TimeoutError(f"no {mtype} within {timeout} s; got {self.types()[-10:]}")
+                raise TimeoutError(f"no {mtype} within {within_s} s; got {self.types()[-10:]}")
             m = await self.recv_one(left)
             if isinstance(m, dict) and m.get("type") == mtype and all(m.get(k) == v for k, v in match.items()):
                 return m

@@ -1,0 +1,106 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from gateway import protocol as P
+
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
+
+
+def test_audio_header_roundtrip():
+    h = P.AudioFrameHeader(utterance_id=7, seq=123456, sample_offset=2**32 - 1, segment=65535,
+                           format=P.AudioFormat.MULAW)
+    data = P.pack_audio_frame(h, b"\x01\x02\x03")
+    assert len(data) == P.AUDIO_HEADER_BYTES + 3 == 19
+    h2, payload = P.unpack_audio_frame(data)
+    assert h2 == h and payload == b"\x01\x02\x03"
+    assert data[:2] == bytes([1, 1])
+    assert data[4:8] == (7).to_bytes(4, "little")
+
+
+@pytest.mark.parametrize("bad", [b"", b"\x01" * 15, b"\x02" + b"\x00" * 15, b"\x01\x09" + b"\x00" * 14])
+def test_audio_header_rejects_malformed(bad: bytes):
+    with pytest.raises(ValueError):
+        P.unpack_audio_frame(bad)
+
+
+def test_parse_valid_messages():
+    m = P.parse_client_message('{"type":"session.start","sample_rate":16000,"format":"mulaw",'
+                               '"voice":"abc","options":{"top_k":5},"id":"x"}')
+    assert m.type is P.ClientType.SESSION_START and m.id == "x"
+    assert m.fields["options"] == {"top_k": 5}
+    assert P.parse_client_message(b'{"type":"text.delta","text":""}').fields["text"] == ""
+    assert P.parse_client_message('{"type":"playback","played_samples":0,"buffered_ms":1.5}').type \
+        is P.ClientType.PLAYBACK
+    assert P.parse_client_message('{"type":"cancel"}').fields == {}
+
+
+@pytest.mark.parametrize(
+    ("raw", "code", "field"),
+    [
+        ("nope", P.ErrorCode.INVALID_JSON, None),
+        (b"\xff\xfe", P.ErrorCode.INVALID_JSON, None),
+        ("null", P.ErrorCode.INVALID_MESSAGE, None),
+        ('{"type":null}', P.ErrorCode.INVALID_MESSAGE, None),
+        ('{"type":"hello"}', P.ErrorCode.UNKNOWN_TYPE, None),
+        ('{"type":"text.delta","text":["a"]}', P.ErrorCode.INVALID_FIELD, "text"),
+        ('{"type":"text.end","now":true}', P.ErrorCode.INVALID_FIELD, "now"),
+        ('{"type":"session.start","format":"opus"}', P.ErrorCode.INVALID_FIELD, "format"),
+        ('{"type":"session.start","voice":true}', P.ErrorCode.INVALID_FIELD, "voice"),
+        ('{"type":"session.start","voice":-3}', P.ErrorCode.INVALID_FIELD, "voice"),
+        ('{"type":"session.start","options":[]}', P.ErrorCode.INVALID_FIELD, "options"),
+        ('{"type":"session.start","options":{"temperature":5}}', P.ErrorCode.INVALID_FIELD, "options.temperature"),
+        ('{"type":"session.start","options":{"speed":1}}', P.ErrorCode.INVALID_FIELD, "options.speed"),
+        ('{"type":"playback","played_samples":1.5}', P.ErrorCode.INVALID_FIELD, "played_samples"),
+        ('{"type":"playback","buffered_ms":1}', P.ErrorCode.INVALID_FIELD, "played_samples"),
+        ('{"type":"ping","t":"now"}', P.ErrorCode.INVALID_FIELD, "t"),
+        ('{"type":"ping","id":{"a":1}}', P.ErrorCode.INVALID_FIELD, "id"),
+        ('{"type":"ping","id":"' + "x" * 65 + '"}', P.ErrorCode.INVALID_FIELD, "id"),
+    ],
+)
+def test_parse_errors(raw: str | bytes, code: P.ErrorCode, field: str | None):
+    with pytest.raises(P.ProtocolError) as ei:
+        P.parse_client_message(raw)
+    assert ei.value.code is code and ei.value.field == field
+
+
+def test_error_id_is_echoed_when_valid():
+    with pytest.raises(P.ProtocolError) as ei:
+        P.parse_client_message('{"type":"text.delta","text":1,"id":"abc"}')
+    assert ei.value.msg_id == "abc"
+    msg = P.error_message(ei.value.code, field=ei.value.field, msg_id=ei.value.msg_id)
+    assert msg == {"type": "error", "code": "invalid_field", "message": P.ERROR_MESSAGES[P.ErrorCode.INVALID_FIELD],
+                   "fatal": False, "field": "text", "id": "abc"}
+
+
+def test_every_error_code_has_fixed_text_and_fatality():
+    assert set(P.ERROR_MESSAGES) == set(P.ErrorCode)
+    assert P.FATAL_ERRORS <= set(P.ErrorCode)
+    assert P.error_message(P.ErrorCode.ENGINE_UNAVAILABLE)["fatal"] is True
+
+
+def test_docs_cover_every_wire_constant():
+    for values in (P.ClientType, P.ServerType, P.ErrorCode, P.AudioFormat, P.UtteranceStatus):
+        for v in values:
+            assert f"`{v.value}`" in DOC, v
+    for code in P.CloseCode:
+        assert f"| {int(code)} |" in DOC, code
+    for reason in P.CloseReason:
+        assert f"`{reason.value}`" in DOC, reason
+    for spec in P.SCHEMAS.values():
+        for f in spec:
+            assert f"`{f.name}`" in DOC, f.name
+    for f in P.OPTION_FIELDS:
+        assert f"`{f.name}`" in DOC, f.name
+    assert "`<BBHIII`" in DOC and P.AUDIO_HEADER.format == "<BBHIII"
+    assert P.SUBPROTOCOL in DOC and P.TOKEN_SUBPROTOCOL_PREFIX in DOC and P.WS_PATH in DOC
+
+
+def test_wire_constants_are_json():
+    c = orjson.loads(orjson.dumps(P.wire_constants()))
+    assert c["audio_header"]["bytes"] == 16
+    assert c["error_codes"]["RATE_LIMITED"] == "rate_limited"
+    assert c["close_codes"]["TRY_AGAIN_LATER"] == 1013

@@ -1,0 +1,411 @@
+"""The pure session core, fed events by hand (no asyncio, no sockets)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+
+from engine.api import AudioChunk
+from gateway import protocol as P
+from gateway.audio import mulaw_decode, mulaw_encode
+from gateway.segmenter import SegmenterConfig
+from gateway.session import (
+    AbortStream,
+    Action,
+    Close,
+    EngineFailure,
+    SendAudio,
+    SendMessage,
+    Session,
+    SessionObserver,
+    SessionSettings,
+    StartStream,
+)
+from voicegw.config import LimitsConfig, SchedulerConfig
+
+RATE = 16_000
+MS = RATE // 1000  # samples per ms
+
+
+class Recorder(SessionObserver):
+    def __init__(self) -> None:
+        self.errors: list[P.ErrorCode] = []
+        self.dropped: list[tuple[float, str]] = []
+        self.outcomes: list[str] = []
+        self.underrun_count = 0
+
+    def error(self, code: P.ErrorCode) -> None:
+        self.errors.append(code)
+
+    def audio_dropped(self, seconds: float, reason: str) -> None:
+        self.dropped.append((seconds, reason))
+
+    def utterance_finished(self, outcome: str) -> None:
+        self.outcomes.append(outcome)
+
+    def underruns(self, count: int) -> None:
+        self.underrun_count += count
+
+
+class Harness:
+    def __init__(self, limits: dict[str, Any] | None = None, **settings: Any) -> None:
+        lim = dataclasses.replace(LimitsConfig(), **(limits or {}))
+        settings.setdefault("segmenter", SegmenterConfig(first_min_units=5, min_units=10))
+        self.obs = Recorder()
+        self.s = Session("S", SessionSettings(limits=lim, scheduler=SchedulerConfig(), engine_name="t", **settings),
+                         0.0, observer=self.obs)
+        self.now = 0.0
+        self.actions: list[Action] = []
+
+    def feed(self, acts: list[Action]) -> list[Action]:
+        self.actions += acts
+        return acts
+
+    def msg(self, obj: dict[str, Any] | str, at: float | None = None) -> list[Action]:
+        if at is not None:
+            self.now = at
+        raw = obj if isinstance(obj, str) else orjson.dumps(obj).decode()
+        return self.feed(self.s.on_text_frame(self.now, raw))
+
+    def start(self, **fields: Any) -> dict[str, Any]:
+        acts = self.msg({"type": "session.start", "sample_rate": RATE, **fields})
+        return messages(acts)[0]
+
+    def audio(self, rid: str, ms: int, finished: bool = False, at: float | None = None) -> list[Action]:
+        if at is not None:
+            self.now = at
+        pcm = (np.arange(ms * MS) % 100).astype("<i2").tobytes()
+        return self.feed(self.s.on_audio(self.now, rid, AudioChunk(rid, pcm, RATE, finished=finished)))
+
+    def timer(self, at: float) -> list[Action]:
+        self.now = at
+        return self.feed(self.s.on_timer(at))
+
+
+def messages(acts: list[Action], mtype: str | None = None) -> list[dict[str, Any]]:
+    return [a.message for a in acts if isinstance(a, SendMessage) and (mtype is None or a.message["type"] == mtype)]
+
+
+def starts(acts: list[Action]) -> list[StartStream]:
+    return [a for a in acts if isinstance(a, StartStream)]
+
+
+def audio(acts: list[Action]) -> list[SendAudio]:
+    return [a for a in acts if isinstance(a, SendAudio)]
+
+
+def sent_samples(acts: list[Action]) -> int:
+    return sum(a.samples for a in audio(acts))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_start_and_stream_one_utterance():
+    h = Harness()
+    started = h.start(format="pcm16", voice=3)
+    assert started["type"] == "session.started" and started["sample_rate"] == RATE and started["voice"] == 3
+    acts = h.msg({"type": "text.delta", "text": "Hello world, this is"})
+    (st,) = starts(acts)
+    assert st.request.text == "Hello world," and st.request.priority == 0
+    assert st.request.sample_rate_hz == RATE and st.request.speaker == 3
+    rid = st.request.request_id
+    assert h.s.may_pull(h.now, rid)
+    acts = h.audio(rid, 100, at=0.1)
+    seg_started = messages(acts, "segment.started")
+    assert seg_started == [{"type": "segment.started", "utterance_id": 1, "segment": 0,
+                            "text": "Hello world,", "sample_offset": 0}]
+    frames = audio(acts)
+    assert [f.samples for f in frames] == [640, 640, 320]  # 40 ms frames
+    assert frames[0].ttfa is not None and frames[0].ttfa.engine_s == pytest.approx(0.1)
+    headers = [P.unpack_audio_frame(f.data)[0] for f in frames]
+    assert [(x.seq, x.sample_offset, x.segment, x.utterance_id) for x in headers] == \
+        [(0, 0, 0, 1), (1, 640, 0, 1), (2, 1280, 0, 1)]
+    h.audio(rid, 50, finished=True)
+    acts = h.msg({"type": "text.end"})
+    (st2,) = starts(acts)
+    assert st2.request.text == "a test." or st2.request.text == "this is"
+    acts = h.audio(st2.request.request_id, 30, finished=True)
+    done = messages(acts, "utterance.done")
+    assert done == [{"type": "utterance.done", "utterance_id": 1, "status": "ok", "samples": 180 * MS,
+                     "duration_ms": 180.0, "segments": 2}]
+    assert h.obs.outcomes == ["ok"]
+    assert not h.s.busy
+
+
+def test_segments_are_pipelined_and_audio_stays_in_order():
+    h = Harness(max_in_flight=2)
+    h.start()
+    acts = h.msg({"type": "text.delta", "text": "First clause here, then a whole sentence follows. "})
+    s1, s2 = starts(acts)  # two in flight at once
+    assert s2.request.priority >= 1
+    assert not starts(h.msg({"type": "text.delta", "text": "And a third sentence that waits. "}))
+    # audio of segment 2 arrives first: it is held, not sent
+    acts = h.audio(s2.request.request_id, 200)
+    assert not audio(acts)
+    assert h.s.may_pull(h.now, s2.request.request_id)  # its prefetch is not full yet
+    h.audio(s2.request.request_id, 900)
+    assert not h.s.may_pull(h.now, s2.request.request_id)  # now it is (1 s)
+    acts = h.audio(s1.request.request_id, 100, finished=True)
+    segs = [P.unpack_audio_frame(a.data)[0].segment for a in audio(acts)]
+    assert segs == sorted(segs) and segs[0] == 0 and segs[-1] == 1
+    # segment 0 finished: a third segment is submitted while segment 1 still generates
+    (s3,) = starts(acts)
+    assert s3.request.request_id.endswith("-1-2")
+    assert [m["type"] for m in messages(acts)] == ["segment.started", "segment.done", "segment.started"]
+
+
+def test_flow_window_without_reports_paces_in_real_time():
+    h = Harness(limits={"flow_window_ms": 200})
+    h.start()
+    (st,) = starts(h.msg({"type": "text.delta", "text": "Hello world, and"}))
+    rid = st.request.request_id
+    acts = h.audio(rid, 500)
+    assert sent_samples(acts) == 200 * MS  # the window
+    assert not h.s.may_pull(h.now, rid)  # held audio + nothing to send: stop pulling
+    deadline = h.s.next_deadline_s(h.now)
+    assert deadline == pytest.approx(0.04, abs=0.002)  # one 40 ms frame of credit
+    acts = h.timer(0.1)
+    assert sent_samples(acts) == 80 * MS  # 100 ms played, frames of 40 ms fit
+    acts = h.timer(10.0)
+    assert sent_samples(acts) == 200 * MS  # a full window again
+    assert sent_samples(h.timer(20.0)) == 20 * MS
+    assert h.s.may_pull(h.now, rid)
+
+
+def test_flow_follows_playback_reports():
+    h = Harness(limits={"flow_window_ms": 200})
+    h.start()
+    (st,) = starts(h.msg({"type": "text.delta", "text": "Hello world, and"}))
+    h.msg({"type": "playback", "played_samples": 0})
+    acts = h.audio(st.request.request_id, 500)
+    assert sent_samples(acts) == 200 * MS
+    assert not audio(h.timer(0.5))  # the report is fresh: no extrapolation
+    acts = h.msg({"type": "playback", "played_samples": 120 * MS, "underruns": 2}, at=0.6)
+    assert sent_samples(acts) == 120 * MS
+    assert h.obs.underrun_count == 2
+    h.msg({"type": "playback", "played_samples": 120 * MS, "underruns": 3})
+    assert h.obs.underrun_count == 3
+
+
+def test_cancel_aborts_drops_and_accounts():
+    h = Harness(limits={"flow_window_ms": 10_000})
+    h.start()
+    text = "Hello there, my friend. This is the second sentence here. "
+    s1, s2 = starts(h.msg({"type": "text.delta", "text": text}))
+    h.audio(s1.request.request_id, 1000, finished=True)  # "Hello there," takes 1 s
+    h.audio(s2.request.request_id, 400)
+    acts = h.msg({"type": "cancel", "played_samples": 1200 * MS, "id": 9})
+    aborts = [a for a in acts if isinstance(a, AbortStream)]
+    assert aborts == [AbortStream(s2.request.request_id, True)]  # segment 0 was done and sent
+    (c,) = messages(acts, "cancelled")
+    assert c["utterance_id"] == 1 and c["cancelled_utterances"] == [1] and c["id"] == 9
+    assert c["generated_ms"] == 1400.0 and c["sent_ms"] == 1400.0 and c["played_ms"] == 1200.0
+    # segment 0, then 200 ms into segment 1, still generating: its length is estimated from its text
+    assert c["heard_text"] == "Hello there, my"
+    assert h.obs.dropped == [(0.2, "cancel")]
+    assert not h.s.busy and not h.s.running_requests
+    # audio of an aborted stream is ignored; a new utterance starts with id 2
+    assert h.audio(s2.request.request_id, 100) == []
+    (st,) = starts(h.msg({"type": "text.delta", "text": "New answer, please."}))
+    assert st.request.request_id.startswith("S-2-")
+    # flow: the client flushed its buffer, so the window is free again
+    assert h.s.flow.ahead(h.now) == 0
+
+
+def test_cancel_with_nothing_playing():
+    h = Harness()
+    h.start()
+    (c,) = messages(h.msg({"type": "cancel"}), "cancelled")
+    assert c["utterance_id"] is None and c["heard_text"] == "" and c["cancelled_utterances"] == []
+
+
+def test_heard_text_uses_output_latency_and_word_cut():
+    h = Harness(limits={"flow_window_ms": 10_000})
+    h.start()
+    (st,) = starts(h.msg({"type": "text.delta", "text": "alpha beta gamma delta, "}))
+    h.audio(st.request.request_id, 1000, finished=True)
+    h.msg({"type": "playback", "played_samples": 0, "output_latency_ms": 100})
+    (c,) = messages(h.msg({"type": "cancel", "played_samples": 700 * MS}), "cancelled")
+    # heard = 600 ms of 1000 ms of "alpha beta gamma delta," (23 chars) -> 13 chars -> whole words
+    assert c["heard_text"] == "alpha beta"
+
+
+def test_engine_error_fails_the_utterance_only():
+    h = Harness()
+    h.start()
+    (st,) = starts(h.msg({"type": "text.delta", "text": "Hello world, more"}))
+    acts = h.feed(h.s.on_engine_error(h.now, st.request.request_id, EngineFailure.RECOVERABLE))
+    (err,) = messages(acts, "error")
+    assert err["code"] == "engine_error" and err["utterance_id"] == 1 and not err["fatal"]
+    assert [a.request_id for a in acts if isinstance(a, AbortStream)] == [st.request.request_id]
+    assert not starts(h.msg({"type": "text.delta", "text": " text that is absorbed. Yes. "}))
+    (done,) = messages(h.msg({"type": "text.end"}), "utterance.done")
+    assert done["status"] == "error" and done["error"] == "engine_error"
+    assert starts(h.msg({"type": "text.delta", "text": "Next utterance, works."}))
+
+
+def test_overload_and_unrecoverable():
+    h = Harness()
+    h.start()
+    (st,) = starts(h.msg({"type": "text.delta", "text": "Hello world, more"}))
+    acts = h.feed(h.s.on_engine_error(h.now, st.request.request_id, EngineFailure.OVERLOADED))
+    assert messages(acts, "error")[0]["code"] == "engine_overloaded"
+    h.msg({"type": "text.end"})
+    (st,) = starts(h.msg({"type": "text.delta", "text": "Hello world, more"}))
+    acts = h.feed(h.s.on_engine_error(h.now, st.request.request_id, EngineFailure.UNRECOVERABLE))
+    assert messages(acts, "error")[0]["code"] == "engine_unavailable"
+    assert acts[-1] == Close(P.CloseCode.INTERNAL_ERROR, P.CloseReason.ENGINE_UNAVAILABLE)
+    assert h.s.closed and h.msg({"type": "ping"}) == []
+
+
+def test_errors_leave_the_session_usable():
+    h = Harness()
+    assert messages(h.msg({"type": "text.delta", "text": "x"}))[0]["code"] == "session_not_started"
+    assert messages(h.msg({"type": "ping", "id": 1}))[0]["type"] == "pong"
+    h.start()
+    assert messages(h.msg("{bad"))[0]["code"] == "invalid_json"
+    assert messages(h.feed(h.s.on_binary_frame(h.now, b"\x00")))[0]["code"] == "binary_not_allowed"
+    assert messages(h.msg({"type": "session.start"}))[0]["code"] == "session_already_started"
+    assert starts(h.msg({"type": "text.delta", "text": "Still fine, thanks."}))
+    assert h.obs.errors == [P.ErrorCode.SESSION_NOT_STARTED, P.ErrorCode.INVALID_JSON,
+                            P.ErrorCode.BINARY_NOT_ALLOWED, P.ErrorCode.SESSION_ALREADY_STARTED]
+
+
+def test_text_limits_rate_and_flood():
+    h = Harness(limits={"max_utterance_chars": 20, "max_chars_per_s": 10, "max_messages_per_s": 5})
+    h.start()
+    assert messages(h.msg({"type": "text.delta", "text": "x" * 21}))[0]["code"] == "text_too_long"
+    h.msg({"type": "text.delta", "text": "y" * 15})  # accepted: credit was left (debt now)
+    err = messages(h.msg({"type": "text.delta", "text": "z"}))[0]
+    assert err["code"] == "rate_limited" and err["utterance_id"] == 1
+    # message flood: bucket of 2 x 5 messages, no time passes
+    acts: list[Action] = []
+    for _ in range(10):
+        acts = h.msg({"type": "ping"})
+        if h.s.closed:
+            break
+    assert acts[-1] == Close(P.CloseCode.POLICY_VIOLATION, P.CloseReason.MESSAGE_FLOOD)
+
+
+def test_rate_abuse_closes():
+    h = Harness(limits={"max_chars_per_s": 1, "max_messages_per_s": 1000}, rate_strikes_to_close=3)
+    h.start()
+    h.msg({"type": "text.delta", "text": "aaaa"})
+    codes = []
+    for _ in range(3):
+        acts = h.msg({"type": "text.delta", "text": "b"})
+        codes += [m["code"] for m in messages(acts, "error")]
+    assert codes == ["rate_limited"] * 3
+    assert acts[-1] == Close(P.CloseCode.POLICY_VIOLATION, P.CloseReason.RATE_LIMIT)
+
+
+def test_queue_full_and_draining():
+    h = Harness(limits={"max_pending_segments": 2})
+    h.start()
+    for _ in range(2):
+        h.msg({"type": "text.delta", "text": "An utterance."})
+        h.msg({"type": "text.end"})
+    assert messages(h.msg({"type": "text.delta", "text": "Third."}))[0]["code"] == "queue_full"
+    acts = h.feed(h.s.on_shutdown(h.now))
+    assert not any(isinstance(a, Close) for a in acts)
+    # a new utterance is refused while draining; the queued ones finish, then 1001
+    rids = [a.request.request_id for a in h.actions if isinstance(a, StartStream)]
+    assert len(rids) == 2
+    for rid in rids:
+        acts = h.audio(rid, 10, finished=True)
+    assert messages(acts, "utterance.done")
+    assert acts[-1] == Close(P.CloseCode.GOING_AWAY, P.CloseReason.SHUTDOWN)
+
+
+def test_shutdown_deadline_and_disconnect_abort_everything():
+    h = Harness()
+    h.start()
+    (st,) = starts(h.msg({"type": "text.delta", "text": "Hello world, more"}))
+    h.audio(st.request.request_id, 10)
+    acts = h.feed(h.s.on_disconnect(h.now))
+    assert acts == [AbortStream(st.request.request_id, True)]
+    assert h.s.closed and not h.s.running_requests
+    h2 = Harness()
+    h2.start()
+    (st,) = starts(h2.msg({"type": "text.delta", "text": "Hello world, more"}))
+    acts = h2.feed(h2.s.on_shutdown_deadline(h2.now))
+    assert acts == [AbortStream(st.request.request_id, True), Close(P.CloseCode.GOING_AWAY, P.CloseReason.SHUTDOWN)]
+
+
+def test_idle_timeout():
+    h = Harness(limits={"idle_timeout_s": 5})
+    h.start()
+    assert h.s.next_deadline_s(0.0) == 5.0
+    assert h.timer(4.0) == []
+    assert h.timer(5.0) == [Close(P.CloseCode.NORMAL, P.CloseReason.IDLE)]
+
+
+def test_first_segment_timer():
+    h = Harness(segmenter=SegmenterConfig(first_wait_ms=300))
+    h.start()
+    assert not starts(h.msg({"type": "text.delta", "text": "Thinking about"}, at=1.0))
+    assert h.s.next_deadline_s(1.0) == pytest.approx(1.3)
+    (st,) = starts(h.timer(1.3))
+    assert st.request.text == "Thinking"
+
+
+def test_send_buffer_congestion_pauses_frames():
+    h = Harness(limits={"flow_window_ms": 10_000})
+    h.start()
+    (st,) = starts(h.msg({"type": "text.delta", "text": "Hello world, more"}))
+    h.feed(h.s.on_send_buffer(h.now, True))
+    assert not audio(h.audio(st.request.request_id, 200))
+    acts = h.feed(h.s.on_send_buffer(h.now, False))
+    assert sent_samples(acts) == 200 * MS
+
+
+def test_slow_reader():
+    h = Harness()
+    h.start()
+    (st,) = starts(h.msg({"type": "text.delta", "text": "Hello world, more"}))
+    acts = h.feed(h.s.on_slow_reader(h.now))
+    assert acts == [AbortStream(st.request.request_id, True),
+                    Close(P.CloseCode.POLICY_VIOLATION, P.CloseReason.SLOW_READER)]
+
+
+def test_mulaw_frames_and_bad_engine_audio():
+    h = Harness()
+    h.start(format="mulaw")
+    (st,) = starts(h.msg({"type": "text.delta", "text": "Hello world, more"}))
+    frames = audio(h.audio(st.request.request_id, 40))
+    hdr, payload = P.unpack_audio_frame(frames[0].data)
+    assert hdr.format is P.AudioFormat.MULAW and len(payload) == 40 * MS
+    # an engine chunk at the wrong rate fails the utterance (never crashes the session)
+    bad = AudioChunk(st.request.request_id, b"\x00\x00" * 10, 8000)
+    acts = h.feed(h.s.on_audio(h.now, st.request.request_id, bad))
+    assert messages(acts, "error")[0]["code"] == "engine_error"
+
+
+def test_priority_function_is_swappable():
+    calls: list[tuple[bool, float]] = []
+
+    def prio(first: bool, buffered_ms: float) -> int:
+        calls.append((first, buffered_ms))
+        return 42
+
+    lim = LimitsConfig()
+    s = Session("P", SessionSettings(limits=lim, segmenter=SegmenterConfig(first_min_units=5, min_units=10)),
+                0.0, priority_fn=prio)
+    s.on_text_frame(0.0, '{"type":"session.start"}')
+    acts = s.on_text_frame(0.0, '{"type":"text.delta","text":"Hello world, this is a sentence. "}')
+    assert [a.request.priority for a in starts(acts)] == [42, 42]
+    assert calls[0] == (True, 0.0) and calls[1][0] is False
+
+
+def test_mulaw_matches_g711():
+    x = np.array([0, 1, -1, 100, -100, 1000, -1000, 32767, -32768, 8031, -8031], dtype="<i2")
+    enc = mulaw_encode(x.tobytes())
+    # classic Sun g711 (== CPython's former audioop.lin2ulaw, checked bit-exact over all int16)
+    assert enc == bytes([255, 255, 126, 242, 114, 206, 78, 128, 0, 160, 32])
+    y = mulaw_decode(enc)
+    assert np.all(np.abs(y.astype(int) - x.astype(int)) <= np.maximum(8, np.abs(x.astype(int)) // 16))
