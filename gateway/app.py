@@ -84,6 +84,7 @@ async def _main(config: Config, engine: SpeechEngine | None) -> None:
             raise _StartupError(f"no engine factory available ({exc})") from None
         engine = create_speech_engine(config.engine)
     assert engine is not None
+    log.info("event loop %s; engine %s", type(asyncio.get_running_loop()).__module__, engine.name)
     await engine.start()
     stop = asyncio.Event()
     force = asyncio.Event()

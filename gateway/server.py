@@ -118,6 +118,7 @@ class _Out:
     data: bytes
     text: bool
     ttfa: TtfaParts | None = None
+    utterance_id: int = 0
 
 
 class GatewayServer:
@@ -465,7 +466,15 @@ class _Connection:
                 return
             self.out_bytes -= len(item.data)
             if item.ttfa is not None:
-                self.metrics.observe_ttfa(item.ttfa, self.loop.time())
+                now = self.loop.time()
+                t = item.ttfa
+                self.metrics.observe_ttfa(t, now)
+                self.log.info(
+                    "utterance %d first audio after %.0f ms (text wait %.0f, queue %.0f, engine %.0f, "
+                    "send %.0f)", item.utterance_id, 1000 * (now - t.first_text_s), 1000 * t.text_wait_s,
+                    1000 * t.queue_s, 1000 * t.engine_s, 1000 * (now - t.first_chunk_s),
+                    extra={"utterance": item.utterance_id},
+                )
             if self.marks.update(self.out_bytes) is False:
                 self.dispatch(self.session.on_send_buffer, False)
 
@@ -495,7 +504,7 @@ class _Connection:
     def _apply(self, actions: list[Action]) -> None:
         for a in actions:
             if isinstance(a, SendAudio):
-                self._enqueue(_Out(a.data, False, a.ttfa))
+                self._enqueue(_Out(a.data, False, a.ttfa, a.utterance_id))
                 self.metrics.audio_sent.inc(a.samples / self.session.rate_hz)
                 self.metrics.frames_sent.inc()
             elif isinstance(a, SendMessage):

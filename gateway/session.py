@@ -6,7 +6,7 @@ and returns actions (start/abort an engine stream, send a message or an audio fr
 No asyncio, no sockets: ``gateway/server.py`` carries the actions out and feeds events back.
 Time comes in as ``now_s`` (monotonic seconds).
 
-Audio path: text -> Segmenter (per utterance) -> at most ``max_in_flight`` engine streams in
+Audio path: text -> Segmenter (per utterance) -> at most ``max_in_flight`` segments in flight, in
 text order -> each stream holds at most ``prefetch`` of pulled audio -> the head stream's audio is
 cut into frames and sent while FlowControl gives credit. The server pulls a stream's engine
 iterator only while ``may_pull`` is true, so a client that does not play stops the decoding.
@@ -44,8 +44,9 @@ class SessionSettings:
     segmenter: SegmenterConfig = field(default_factory=SegmenterConfig)
     engine_name: str = "unknown"
     max_in_flight: int = 2
-    """Engine requests (segments) generating at once per session; the next segment is submitted
-    while the current one is still speaking, so sentences follow without gaps."""
+    """Segments in flight per session (submitted to the engine and not yet fully sent): the next
+    segment is submitted while the current one is still being sent, so sentences follow without
+    gaps, and a client that does not play cannot make the engine run further ahead."""
     frame_ms: float = 40.0
     """Longest audio frame sent."""
     prefetch_ms: float = 1_000.0
@@ -200,6 +201,14 @@ class _Stream:
         return self.seg.request_id
 
 
+class SessionLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """Adds ``session`` to every record and merges per-call extras (``utterance``, ``request_id``)."""
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        kwargs["extra"] = {**(self.extra or {}), **kwargs.get("extra", {})}
+        return msg, kwargs
+
+
 class _TokenBucket:
     def __init__(self, rate: float, capacity: float, now_s: float) -> None:
         self.rate = rate
@@ -254,7 +263,7 @@ class Session:
         self._strikes_t = now_s
         self._underruns_seen = 0
         self._output_latency_ms = 0.0
-        self.log = logging.LoggerAdapter(_log, {"session": session_id})
+        self.log = SessionLog(_log, {"session": session_id})
 
     # ================================================================ events
 
@@ -310,7 +319,8 @@ class Session:
             return out
         if len(chunk.pcm) % 2 or (chunk.pcm and chunk.sample_rate_hz != self.rate_hz):
             self.log.error("engine returned bad audio for %s (rate %s, %d bytes)", request_id,
-                           chunk.sample_rate_hz, len(chunk.pcm))
+                           chunk.sample_rate_hz, len(chunk.pcm),
+                           extra={"utterance": s.utt.id, "request_id": request_id})
             self._fail_utterance(s.utt, P.ErrorCode.ENGINE_ERROR, out)
             self._step(now_s, out)
             return out
@@ -345,7 +355,8 @@ class Session:
         if self.closed or s is None:
             return out
         if failure is EngineFailure.UNRECOVERABLE:
-            self.log.error("engine unavailable (request %s): closing", request_id)
+            self.log.error("engine unavailable (request %s): closing", request_id,
+                           extra={"utterance": s.utt.id, "request_id": request_id})
             self._error(out, P.ErrorCode.ENGINE_UNAVAILABLE, utterance_id=s.utt.id)
             self._close(out, P.CloseCode.INTERNAL_ERROR, P.CloseReason.ENGINE_UNAVAILABLE)
             return out
@@ -355,10 +366,12 @@ class Session:
         return out
 
     def on_timer(self, now_s: float) -> list[Action]:
+        """Idle close (no client message and nothing in flight for ``idle_timeout_s``), segmenter
+        timers, flow credit."""
         out: list[Action] = []
         if self.closed:
             return out
-        if not self._utterances and now_s >= self._last_activity_s + self.settings.limits.idle_timeout_s:
+        if not self._streams and now_s >= self._last_activity_s + self.settings.limits.idle_timeout_s:
             self.log.info("idle: closing")
             self._close(out, P.CloseCode.NORMAL, P.CloseReason.IDLE)
             return out
@@ -442,10 +455,10 @@ class Session:
         if self.closed:
             return None
         deadlines: list[float] = []
-        if not self._utterances:
+        if not self._streams:
             deadlines.append(self._last_activity_s + self.settings.limits.idle_timeout_s)
         if self.started:
-            if self._generating_count() < self.settings.max_in_flight:
+            if len(self._streams) < self.settings.max_in_flight:
                 utt = self._segmenting_utterance()
                 if utt is not None and utt.failed is None:
                     d = utt.segmenter.deadline_s(now_s, idle=not self._streams)
@@ -660,9 +673,6 @@ class Session:
         if self.draining and not self._utterances and not self.closed:
             self._close(out, P.CloseCode.GOING_AWAY, P.CloseReason.SHUTDOWN)
 
-    def _generating_count(self) -> int:
-        return sum(1 for s in self._streams if s.generating)
-
     def _segmenting_utterance(self) -> _Utterance | None:
         """The oldest utterance whose text is not all handed to the engine (text order)."""
         for u in self._utterances:
@@ -675,7 +685,7 @@ class Session:
         return None
 
     def _fill(self, now_s: float, out: list[Action]) -> None:
-        while self._generating_count() < self.settings.max_in_flight:
+        while len(self._streams) < self.settings.max_in_flight:
             utt = self._segmenting_utterance()
             if utt is None or utt.failed is not None:
                 return
@@ -702,6 +712,8 @@ class Session:
                 utt.t_first_ready = now_s
             utt.t_first_submit = now_s
         self._obs.segment_submitted(priority)
+        self.log.debug("segment %s submitted (priority %d, %d chars)", request_id, priority, len(text),
+                       extra={"utterance": utt.id, "request_id": request_id})
         out.append(StartStream(SpeechRequest(
             request_id=request_id,
             text=text,
@@ -725,7 +737,7 @@ class Session:
             if head.held_samples == 0:
                 if head.generating:
                     return
-                self._retire(head, out)
+                self._retire(now_s, head, out)
                 continue
             if self._send_blocked:
                 return
@@ -771,7 +783,7 @@ class Session:
             "sample_offset": s.utt.sent,
         }))
 
-    def _retire(self, s: _Stream, out: list[Action]) -> None:
+    def _retire(self, now_s: float, s: _Stream, out: list[Action]) -> None:
         if not s.seg.announced:
             self._announce(s, out)
         out.append(SendMessage({
@@ -782,6 +794,7 @@ class Session:
         }))
         self._streams.popleft()
         self._by_id.pop(s.request_id, None)
+        self._last_activity_s = max(self._last_activity_s, now_s)
 
     def _finish_utterances(self, now_s: float, out: list[Action]) -> None:
         while self._utterances:
@@ -801,6 +814,8 @@ class Session:
                 msg["error"] = u.failed.value
             out.append(SendMessage(msg))
             self._obs.utterance_finished(status.value)
+            self.log.info("utterance %d %s: %d segments, %.0f ms audio", u.id, status.value, len(u.segments),
+                          msg["duration_ms"], extra={"utterance": u.id})
             self._utterances.popleft()
             self._history.append(u)
             self._last_activity_s = max(self._last_activity_s, now_s)
@@ -808,7 +823,7 @@ class Session:
     def _fail_utterance(self, utt: _Utterance, code: P.ErrorCode, out: list[Action]) -> None:
         if utt.failed is not None:
             return
-        self.log.warning("utterance %d failed: %s", utt.id, code.value)
+        self.log.warning("utterance %d failed: %s", utt.id, code.value, extra={"utterance": utt.id})
         utt.failed = code
         dropped = 0
         for s in [s for s in self._streams if s.utt is utt]:

@@ -409,3 +409,14 @@ def test_mulaw_matches_g711():
     assert enc == bytes([255, 255, 126, 242, 114, 206, 78, 128, 0, 160, 32])
     y = mulaw_decode(enc)
     assert np.all(np.abs(y.astype(int) - x.astype(int)) <= np.maximum(8, np.abs(x.astype(int)) // 16))
+
+
+def test_idle_timeout_applies_to_an_open_utterance_with_nothing_in_flight():
+    h = Harness(limits={"idle_timeout_s": 5})
+    h.start()
+    (st,) = starts(h.msg({"type": "text.delta", "text": "Hello world, "}, at=1.0))
+    h.audio(st.request.request_id, 10, finished=True, at=2.0)  # retired at 2.0
+    assert h.s.busy  # the utterance is still open
+    assert h.s.next_deadline_s(2.0) == pytest.approx(7.0)
+    assert h.timer(6.9) == []
+    assert h.timer(7.0)[-1] == Close(P.CloseCode.NORMAL, P.CloseReason.IDLE)
