@@ -5,9 +5,11 @@ The speech engine comes from ONE fixture, ``speech_engine``; pick it with the en
 
 * ``espeak`` (default): ``engine.espeak.EspeakSpeech``, real speech, offline.
 * ``fake``: ``tests.gateway.fakes.FakeSpeechEngine`` (sine tone paced like an engine).
-* ``chattts``: the real engine on the tiny random checkpoint through
-  ``engine.factory.create_speech_engine`` (needs the heavy lock: run under
-  ``flock /tmp/voicegw-heavy.lock``).
+* ``vllm`` / ``reference``: the real ChatTTS engine on the tiny random checkpoint (session fixture
+  ``tiny_model_dir``) through ``engine.factory.create_speech_engine``, like tests/gateway (run it
+  under ``flock /tmp/voicegw-heavy.lock``).
+
+``VOICEGW_TEST_ENGINE`` (the gateway tests' switch) is used when ``VOICEGW_BROWSER_ENGINE`` is unset.
 
 Chromium: ``/usr/lib/chromium/chromium`` (Debian package ``chromium``), never ``playwright install``.
 Tests skip when it is not installed.
@@ -47,32 +49,32 @@ def chromium_path() -> str | None:
     return shutil.which("chromium")
 
 
-async def make_speech_engine(kind: str, tmp: Path) -> Any:
-    if kind == "espeak":
-        from engine.espeak import EspeakSpeech
-
-        return EspeakSpeech()
-    if kind == "fake":
-        from tests.gateway.fakes import FakeSpeechEngine
-
-        return FakeSpeechEngine()
-    if kind == "chattts":
-        from engine.checkpoint import make_checkpoint
-        from engine.factory import create_speech_engine  # type: ignore[import-not-found]
-        from voicegw.config import EngineConfig
-
-        model_dir = make_checkpoint(tmp / "tiny", "tiny", seed=0)
-        return create_speech_engine(
-            EngineConfig(backend="vllm", model_dir=str(model_dir), device="cpu", kv_cache_gib=1.0)
-        )
-    raise ValueError(f"VOICEGW_BROWSER_ENGINE={kind!r}: expected espeak, fake or chattts")
+def engine_kind() -> str:
+    return os.environ.get("VOICEGW_BROWSER_ENGINE") or os.environ.get("VOICEGW_TEST_ENGINE") or "espeak"
 
 
 @pytest.fixture(scope="module")
-async def speech_engine(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Any]:
-    """The SpeechEngine behind the gateway (switch with VOICEGW_BROWSER_ENGINE)."""
-    kind = os.environ.get("VOICEGW_BROWSER_ENGINE", "espeak")
-    eng = await make_speech_engine(kind, tmp_path_factory.mktemp("engine"))
+async def speech_engine(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
+    """The SpeechEngine behind the gateway (switch with VOICEGW_BROWSER_ENGINE / VOICEGW_TEST_ENGINE)."""
+    kind = engine_kind()
+    eng: Any
+    if kind == "espeak":
+        from engine.espeak import EspeakSpeech
+
+        eng = EspeakSpeech()
+    elif kind == "fake":
+        from tests.gateway.fakes import FakeSpeechEngine
+
+        eng = FakeSpeechEngine()
+    else:  # a backend of engine.factory: vllm, reference (tiny random ChatTTS checkpoint)
+        from engine.factory import create_speech_engine  # type: ignore[import-not-found]
+
+        from voicegw.config import EngineConfig
+
+        fields: dict[str, Any] = {"backend": kind, "device": "cpu", "kv_cache_gib": 1.0}
+        if kind in ("vllm", "reference"):
+            fields["model_dir"] = str(request.getfixturevalue("tiny_model_dir"))
+        eng = create_speech_engine(EngineConfig(**fields))
     await eng.start()
     yield eng
     await eng.close()
