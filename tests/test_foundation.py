@@ -150,3 +150,40 @@ def test_cli_version_and_bad_config() -> None:
     )
     assert out.returncode == 2
     assert "gateway.port: expected an integer" in out.stderr
+
+
+def test_serve_without_weights_falls_back_to_espeak(tmp_path: Path) -> None:
+    """`voicegw serve` with no ChatTTS weights and no network still serves real speech."""
+    import json
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "voicegw.cli", "serve", "--port", str(port), "--model-dir", str(tmp_path / "none")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        body = None
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                    assert r.status == 200
+                    body = json.loads(r.read())
+                    break
+            except OSError:
+                time.sleep(0.3)
+        assert body is not None, "gateway did not answer /healthz"
+        assert body["engine"] == "espeak"
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert "WARNING" in out and "ChatTTS weights not found" in out

@@ -1,0 +1,65 @@
+"""Choosing and building the speech engine for ``voicegw serve`` (one place).
+
+``engine.backend``:
+- ``vllm``: ChatTTS GPT in vLLM + the streaming decoder. Needs weights.
+- ``reference``: upstream chattts in-process + the streaming decoder (the native pipeline).
+- ``espeak``: eSpeak NG (bundled by the ``espeakng-loader`` wheel), no weights needed.
+- ``auto`` (default): ``vllm`` when ChatTTS weights are found (or downloaded with
+  ``engine.download``), else ``espeak`` with a WARNING naming what is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from engine.api import SpeechEngine
+from voicegw.config import Config
+
+log = logging.getLogger("voicegw")
+
+
+def build_speech_engine(cfg: Config) -> SpeechEngine:
+    """An unstarted ``SpeechEngine`` for ``cfg.engine`` (see the module docstring)."""
+    import engine  # noqa: F401  (torch companion shim)
+    from engine.model_dir import ModelNotFound, resolve_model_dir
+
+    ecfg = cfg.engine
+    backend = ecfg.backend
+    if backend in ("auto", "vllm", "reference"):
+        try:
+            model_dir = resolve_model_dir(ecfg.model_dir, allow_download=ecfg.download)
+        except ModelNotFound as exc:
+            if backend != "auto":
+                raise
+            log.warning(
+                "%s -- serving with the eSpeak NG fallback engine instead of ChatTTS. "
+                "To serve ChatTTS: --model-dir DIR (upstream layout) or --download (needs network).",
+                exc,
+            )
+            backend = "espeak"
+        else:
+            from engine.factory import create_code_engine
+            from engine.speech import ChatTTSSpeech, build_decoder
+
+            code_backend = "vllm" if backend == "auto" else backend
+            code = create_code_engine(ecfg, model_dir, backend=code_backend)
+            device = getattr(code, "device", "cpu")
+            decoder = build_decoder(ecfg, str(model_dir), device=str(device))
+            log.info("engine: ChatTTS (%s) from %s", code_backend, model_dir)
+            return ChatTTSSpeech(code, decoder, ecfg)
+    from engine.espeak import EspeakSpeech
+
+    return EspeakSpeech(default_speaker=ecfg.default_speaker)
+
+
+def serve(cfg: Config) -> int:
+    """``voicegw serve``: build the engine, run the gateway until SIGINT/SIGTERM."""
+    from gateway.app import configure_logging, run_gateway
+
+    configure_logging(cfg.gateway)
+    try:
+        speech = build_speech_engine(cfg)
+    except Exception as exc:  # noqa: BLE001 - startup failure: one clear line, exit 2
+        log.error("cannot start the engine: %s", exc)
+        return 2
+    return run_gateway(cfg, speech)
