@@ -9,19 +9,30 @@ their client runs out of audio. A stream with 3 s buffered can wait 2 s without 
 new utterance with nothing buffered cannot wait at all. So:
 
 * ``SchedulingPolicy.segment_priority`` maps a segment to a vLLM request priority (lower runs
-  first, vLLM ``scheduling_policy="priority"``):
+  first, vLLM ``scheduling_policy="priority"``). Default mode ``deadline`` (earliest deadline
+  first): priority = the moment the segment's audio is needed, in ``bucket_ms`` units since
+  the policy's epoch:
 
-  ======================  ==========================================================
-  priority                segment
-  ======================  ==========================================================
-  0                       first segment of an utterance (nothing buffered yet)
-  1                       continuing segment, client buffer < ``urgent_buffer_ms``
-  2 .. priority_levels    continuing segment, one level per ``bucket_ms`` of audio
-                          buffered above ``urgent_buffer_ms`` (capped)
-  ======================  ==========================================================
+  ==========================  ======================================================
+  segment                     deadline
+  ==========================  ======================================================
+  first of an utterance       ``now - first_lead_ms`` (default: the whole horizon,
+                              ``priority_levels * bucket_ms``): ahead of every stream
+                              not already dry for that long
+  continuing                  ``now + client buffer`` (capped at the horizon)
+  ==========================  ======================================================
+
+  Mode ``buffer`` is the relative variant: 0 first segment, 1 continuing with client buffer
+  < ``urgent_buffer_ms``, then one level per ``bucket_ms`` of buffer above it, capped at
+  ``priority_levels``. Its weakness: a request's priority is frozen when it is submitted
+  while its client keeps draining, so a stream that was deep when it submitted gets
+  overtaken by later, shallower ones until it underruns (measured with ``loadtest`` on the
+  ``sim`` engine: see docs/loadtest.md). Deadlines do not drift (the client plays its buffer
+  exactly as fast as the clock runs), so ``deadline`` needs no re-evaluation.
 
   The client buffer is estimated by ``client_buffered_ms`` from what the gateway sent, the
-  client's last ``playback`` report and the time since that report.
+  client's last ``playback`` report and the time since that report (the gateway's
+  ``FlowControl.ahead_ms`` is the same quantity).
 
 * What vLLM does with the priority (0.32, read from ``v1/core/sched/scheduler.py``): the
   WAITING queue is a heap ordered by ``(priority, arrival_time)``; when KV blocks run out the
@@ -57,6 +68,7 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -119,10 +131,40 @@ class RequestPhase(enum.Enum):
     """Output is flowing."""
 
 
-class SchedulingPolicy:
-    """Maps segments to vLLM priorities from the client's playback deadline."""
+class PolicyMode(enum.StrEnum):
+    DEADLINE = "deadline"
+    """Priority = the segment's playback deadline (absolute, quantised): earliest deadline first."""
+    BUFFER = "buffer"
+    """Priority = bucket of the client buffer at submission (relative; goes stale while waiting)."""
 
-    def __init__(self, config: SchedulerConfig | None = None, promote_levels: int = 1) -> None:
+
+class SchedulingPolicy:
+    """Maps segments to vLLM priorities from the client's playback deadline.
+
+    Two modes (``PolicyMode``), same inputs:
+
+    * ``deadline`` (default): a continuing segment's deadline is ``now + buffered_ms`` (when its
+      client runs dry), capped at ``now + priority_levels * bucket_ms`` (streams buffered deeper
+      than the horizon are all "far"); a first segment's is ``now - first_lead_ms``. The
+      priority is the deadline in ``bucket_ms`` units since ``epoch_s``. Deadlines do not move
+      as time passes (a client plays its buffer at the rate the clock advances), so a request
+      waiting in vLLM keeps the right place in the queue without any re-evaluation, and vLLM's
+      KV-pressure preemption picks the latest deadline. ``first_lead_ms`` (default
+      ``priority_levels * bucket_ms``) puts a new utterance ahead of every stream that is not
+      already dry for longer than that: "first segment highest" without starving anyone.
+    * ``buffer``: the relative buckets of the module docstring (0 first segment, 1 urgent,
+      2..priority_levels by buffer). Simple, but a waiting request's priority is frozen at
+      submission while its client drains, so it needs ``reevaluate`` + resubmission.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig | None = None,
+        mode: PolicyMode | str = PolicyMode.DEADLINE,
+        promote_levels: int = 1,
+        epoch_s: float = 0.0,
+        first_lead_ms: float | None = None,
+    ) -> None:
         self.config = config or SchedulerConfig()
         if self.config.priority_levels < 1:
             raise ValueError("priority_levels must be >= 1")
@@ -130,41 +172,58 @@ class SchedulingPolicy:
             raise ValueError("bucket_ms must be > 0")
         if promote_levels < 1:
             raise ValueError("promote_levels must be >= 1")
+        self.mode = PolicyMode(mode)
         self.promote_levels = promote_levels
+        self.epoch_s = epoch_s
+        self.horizon_ms = self.config.priority_levels * self.config.bucket_ms
+        self.first_lead_ms = self.horizon_ms if first_lead_ms is None else max(0.0, first_lead_ms)
 
     @property
     def lowest_priority(self) -> int:
-        """The largest value ``segment_priority`` returns (least urgent)."""
+        """``buffer`` mode: the largest value ``segment_priority`` returns (least urgent)."""
         return self.config.priority_levels
 
-    def segment_priority(self, segment_index: int, buffered_ms: float) -> int:
+    def deadline_ms(self, segment_index: int, buffered_ms: float, now_s: float) -> float:
+        """When this segment's first audio is needed, ms since ``epoch_s`` (``deadline`` mode)."""
+        now_ms = (now_s - self.epoch_s) * 1000.0
+        if segment_index <= 0:
+            return now_ms - self.first_lead_ms
+        return now_ms + min(max(0.0, buffered_ms), self.horizon_ms)
+
+    def segment_priority(self, segment_index: int, buffered_ms: float, now_s: float = 0.0) -> int:
         """vLLM priority of a segment (lower runs first).
 
         ``segment_index``: 0 for the first segment of an utterance. ``buffered_ms``: audio the
-        client has ahead of its playhead for this stream (``client_buffered_ms``).
+        client has ahead of its playhead for this stream (``client_buffered_ms``). ``now_s``:
+        monotonic time (``deadline`` mode only).
         """
+        cfg = self.config
+        if self.mode is PolicyMode.DEADLINE:
+            return math.floor(self.deadline_ms(segment_index, buffered_ms, now_s) / cfg.bucket_ms)
         if segment_index <= 0:
             return FIRST_SEGMENT_PRIORITY
-        cfg = self.config
         if buffered_ms < cfg.urgent_buffer_ms or cfg.priority_levels == 1:
             return URGENT_PRIORITY
         bucket = 1 + int((buffered_ms - cfg.urgent_buffer_ms) // cfg.bucket_ms)
         return min(URGENT_PRIORITY + bucket, cfg.priority_levels)
 
-    def priority_fn(self) -> Callable[[bool, float], int]:
+    def priority_fn(self, clock: Callable[[], float] = time.monotonic) -> Callable[[bool, float], int]:
         """The gateway's ``PriorityFn`` signature (``gateway/priority.py``):
-        ``fn(first_in_utterance, client_buffered_ms) -> priority``."""
+        ``fn(first_in_utterance, client_buffered_ms) -> priority``; ``clock`` gives ``now_s``."""
 
         def fn(first_in_utterance: bool, client_buffered_ms: float) -> int:
-            return self.segment_priority(0 if first_in_utterance else 1, client_buffered_ms)
+            return self.segment_priority(0 if first_in_utterance else 1, client_buffered_ms, clock())
 
         return fn
 
     def reevaluate(self, phase: RequestPhase, current_priority: int, new_priority: int) -> Reevaluation:
         """Should a segment's priority change now that its stream's buffer changed?
 
-        See the module docstring: pending segments are updated freely; waiting requests are
-        resubmitted only when promoted by at least ``promote_levels``; running ones are kept.
+        ``new_priority``: ``segment_priority`` recomputed now. Pending segments are updated
+        freely; waiting requests are resubmitted only when promoted by at least
+        ``promote_levels``; running ones are kept (module docstring). In ``deadline`` mode the
+        recomputed priority only moves when the client's buffer drained faster than real time
+        (a stall, a dropped report), so resubmissions are rare by construction.
         """
         if phase is RequestPhase.PENDING:
             return Reevaluation.UPDATE if new_priority != current_priority else Reevaluation.KEEP
@@ -173,10 +232,17 @@ class SchedulingPolicy:
         return Reevaluation.KEEP
 
 
-def make_priority_fn(config: SchedulerConfig | None = None) -> Callable[[bool, float], int]:
+def make_priority_fn(
+    config: SchedulerConfig | None = None,
+    mode: PolicyMode | str = PolicyMode.DEADLINE,
+    clock: Callable[[], float] = time.monotonic,
+    first_lead_ms: float | None = None,
+) -> Callable[[bool, float], int]:
     """What the gateway session takes as its priority function (drop-in for
-    ``gateway.priority.default_priority_fn``)."""
-    return SchedulingPolicy(config).priority_fn()
+    ``gateway.priority.default_priority_fn``). The epoch is the clock at creation, so
+    priorities stay small numbers."""
+    policy = SchedulingPolicy(config, mode, epoch_s=clock(), first_lead_ms=first_lead_ms)
+    return policy.priority_fn(clock)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from engine.scheduler import (
     URGENT_PRIORITY,
     AdmissionController,
     EngineLoad,
+    PolicyMode,
     Reevaluation,
     RequestPhase,
     SchedulingPolicy,
@@ -54,13 +55,13 @@ def test_buffered_rejects_bad_rate() -> None:
 
 
 def test_first_segment_is_highest_priority_whatever_the_buffer() -> None:
-    p = SchedulingPolicy(CFG)
+    p = SchedulingPolicy(CFG, "buffer")
     assert p.segment_priority(0, 0.0) == FIRST_SEGMENT_PRIORITY == 0
     assert p.segment_priority(0, 10_000.0) == 0
 
 
 def test_continuing_segments_by_bucket() -> None:
-    p = SchedulingPolicy(CFG)
+    p = SchedulingPolicy(CFG, "buffer")
     assert p.segment_priority(1, 0.0) == URGENT_PRIORITY == 1
     assert p.segment_priority(3, 299.9) == 1
     assert p.segment_priority(1, 300.0) == 2
@@ -71,7 +72,7 @@ def test_continuing_segments_by_bucket() -> None:
 
 
 def test_single_level_config() -> None:
-    p = SchedulingPolicy(SchedulerConfig(priority_levels=1))
+    p = SchedulingPolicy(SchedulerConfig(priority_levels=1), "buffer")
     assert p.segment_priority(0, 0.0) == 0
     assert p.segment_priority(5, 5_000.0) == 1
 
@@ -83,6 +84,8 @@ def test_invalid_policy_config() -> None:
         SchedulingPolicy(SchedulerConfig(bucket_ms=0))
     with pytest.raises(ValueError):
         SchedulingPolicy(CFG, promote_levels=0)
+    with pytest.raises(ValueError):
+        SchedulingPolicy(CFG, "lifo")
 
 
 @given(
@@ -93,7 +96,7 @@ def test_invalid_policy_config() -> None:
     bucket=st.floats(min_value=1, max_value=5_000, allow_nan=False),
 )
 def test_priority_monotone_in_buffer_and_bounded(idx: int, a: float, b: float, levels: int, bucket: float) -> None:
-    p = SchedulingPolicy(SchedulerConfig(priority_levels=levels, bucket_ms=bucket))
+    p = SchedulingPolicy(SchedulerConfig(priority_levels=levels, bucket_ms=bucket), "buffer")
     lo, hi = sorted((a, b))
     assert URGENT_PRIORITY <= p.segment_priority(idx, lo) <= p.segment_priority(idx, hi) <= levels
     assert p.segment_priority(0, hi) < p.segment_priority(idx, lo)
@@ -123,7 +126,7 @@ def test_reevaluate_running_is_kept() -> None:
 
 def test_priority_drifts_up_as_a_stream_drains() -> None:
     """A deep-buffered stream is deferred but becomes urgent as its client plays: no starvation."""
-    p = SchedulingPolicy(CFG)
+    p = SchedulingPolicy(CFG, "buffer")
     sent = 24_000 * 4  # 4 s sent, nothing more arrives
     prios = [
         p.segment_priority(1, client_buffered_ms(sent, 0, 24_000, ms_since_report=t)) for t in range(0, 4001, 250)
@@ -268,14 +271,80 @@ def test_overloaded_code_matches_wire_protocol() -> None:
     assert OVERLOADED_CODE == protocol.ErrorCode.ENGINE_OVERLOADED.value
 
 
-def test_priority_fn_has_the_gateway_signature() -> None:
-    fn = make_priority_fn(CFG)
+def test_buffer_mode_priority_fn_matches_gateway_default_on_first_segments() -> None:
+    fn = make_priority_fn(CFG, "buffer")
     assert fn(True, 5_000.0) == 0
     assert fn(False, 0.0) == URGENT_PRIORITY
-    assert fn(False, 900.0) == SchedulingPolicy(CFG).segment_priority(1, 900.0)
+    assert fn(False, 900.0) == SchedulingPolicy(CFG, "buffer").segment_priority(1, 900.0)
     gp = pytest.importorskip("gateway.priority")
     ref = gp.default_priority_fn(CFG)
     for first in (True, False):
         for ms in (0.0, 299.0, 1_000.0, 1e6):
             assert 0 <= fn(first, ms) <= CFG.priority_levels
             assert (fn(first, ms) == 0) == (ref(first, ms) == 0)
+
+
+# ----------------------------------------------------------------------------- deadline mode
+
+
+def test_deadline_mode_is_default_and_uses_absolute_time() -> None:
+    p = SchedulingPolicy(CFG, epoch_s=100.0)
+    assert p.mode is PolicyMode.DEADLINE
+    # continuing: deadline = now + buffer, in 500 ms buckets since the epoch
+    assert p.segment_priority(1, 700.0, now_s=110.0) == (10_000 + 700) // 500
+    # first segment: now - horizon (8 x 500 ms)
+    assert p.segment_priority(0, 0.0, now_s=110.0) == (10_000 - 4_000) // 500
+    # horizon caps deep buffers
+    assert p.segment_priority(1, 1e9, now_s=110.0) == p.segment_priority(1, 4_000.0, now_s=110.0)
+
+
+def test_deadline_priority_does_not_drift_while_the_client_plays() -> None:
+    """The reason for deadline mode: a waiting request keeps its place with no re-evaluation."""
+    p = SchedulingPolicy(CFG)
+    sent = 24_000 * 3
+    at_submit = p.segment_priority(1, client_buffered_ms(sent, 0, 24_000, 0.0), now_s=50.0)
+    for dt in (0.25, 1.0, 2.0, 2.9):
+        later = p.segment_priority(1, client_buffered_ms(sent, 0, 24_000, dt * 1000.0), now_s=50.0 + dt)
+        assert abs(later - at_submit) <= 1  # quantisation only
+        assert p.reevaluate(RequestPhase.WAITING, at_submit, later) in (Reevaluation.KEEP, Reevaluation.RESUBMIT)
+
+
+def test_deadline_orders_old_shallow_before_new_deep() -> None:
+    p = SchedulingPolicy(CFG)
+    old = p.segment_priority(1, 3_000.0, now_s=10.0)  # needed at 13 s
+    new_deep = p.segment_priority(1, 3_500.0, now_s=11.0)  # needed at 14.5 s
+    new_shallow = p.segment_priority(1, 0.0, now_s=12.0)  # needed at 12 s
+    assert new_shallow < old < new_deep
+
+
+def test_first_segment_beats_everything_not_long_dry() -> None:
+    p = SchedulingPolicy(CFG)
+    first = p.segment_priority(0, 0.0, now_s=20.0)
+    assert first < p.segment_priority(1, 0.0, now_s=20.0)
+    assert first < p.segment_priority(1, 0.0, now_s=17.0)  # dry for 3 s < horizon 4 s
+    assert first > p.segment_priority(1, 0.0, now_s=15.0)  # dry for 5 s: it goes first
+    q = SchedulingPolicy(CFG, first_lead_ms=0.0)
+    assert q.segment_priority(0, 0.0, now_s=20.0) == q.segment_priority(1, 0.0, now_s=20.0)
+
+
+@given(
+    t=st.floats(min_value=0, max_value=1e5, allow_nan=False),
+    a=st.floats(min_value=0, max_value=60_000, allow_nan=False),
+    b=st.floats(min_value=0, max_value=60_000, allow_nan=False),
+)
+def test_deadline_priority_monotone(t: float, a: float, b: float) -> None:
+    p = SchedulingPolicy(CFG)
+    lo, hi = sorted((a, b))
+    assert p.segment_priority(1, lo, t) <= p.segment_priority(1, hi, t)
+    assert p.segment_priority(1, a, t) <= p.segment_priority(1, a, t + 1.0)
+    assert p.segment_priority(0, 0.0, t) <= p.segment_priority(1, lo, t)
+
+
+def test_priority_fn_uses_the_clock() -> None:
+    now = [1_000.0]
+    fn = make_priority_fn(CFG, clock=lambda: now[0])
+    a = fn(False, 1_000.0)
+    assert a == 2  # epoch = creation time: (0 + 1000) // 500
+    now[0] += 10.0
+    assert fn(False, 1_000.0) == a + 20
+    assert fn(True, 0.0) == (10_000 - 4_000) // 500

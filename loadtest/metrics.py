@@ -1,0 +1,194 @@
+"""Aggregate session records into the numbers a load test reports. Pure (numpy only).
+
+Definitions (also in docs/loadtest.md):
+
+* ``ttfa_ms``: first audio byte of an utterance received by the client minus the time its
+  first ``text.delta`` was sent. What a user of an LLM voice chat waits for: it includes the
+  time the LLM takes to produce enough text for a first segment (at ``tokens_per_s``).
+* ``ttfa_segment_ms``: first audio byte minus the time the ``text.delta`` that completed the
+  first segment's text was sent (needs ``segment.started`` to carry the segment's end offset):
+  the server's own share (segmenter wait excluded).
+* ``underruns`` / ``underrun_ms``: the simulated jitter buffer ran dry while the utterance was
+  still expected to deliver audio (count, total silence heard).
+* ``segment_gap_ms``: silence heard at a segment boundary: when segment i+1's first audio
+  arrives during an underrun, the time since that underrun began (else 0).
+  ``segment_gaps_heard`` counts boundaries with a gap. ``boundary_buffer_ms``: client buffer
+  just before segment i+1's first audio (how close the boundary came to a gap).
+  ``wire_gap_ms``: arrival of segment i+1's first audio minus segment i's last audio (includes
+  flow-control pauses; only informative).
+* ``cancel_to_silence_ms``: from ``cancel`` sent to the later of the last audio frame of that
+  utterance received and the ``cancelled`` reply. ``cancel_to_ack_ms``: to the reply only.
+* engine breakdown: every numeric field of ``utterance.done`` summarised (p50/p95/mean).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+
+def summarize(values: Iterable[float]) -> dict[str, float | int | None]:
+    v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=float)
+    if v.size == 0:
+        return {"n": 0, "mean": None, "p5": None, "p50": None, "p95": None, "p99": None, "max": None}
+    return {
+        "n": int(v.size),
+        "p5": round(float(np.percentile(v, 5)), 2),
+        "mean": round(float(v.mean()), 2),
+        "p50": round(float(np.percentile(v, 50)), 2),
+        "p95": round(float(np.percentile(v, 95)), 2),
+        "p99": round(float(np.percentile(v, 99)), 2),
+        "max": round(float(v.max()), 2),
+    }
+
+
+def _ms(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None:
+        return None
+    return (a - b) * 1000.0
+
+
+def utterance_rows(sessions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One flat row per utterance (role, session, derived latencies)."""
+    rows = []
+    for s in sessions:
+        for u in s["utterances"]:
+            segs = sorted(u["segments"].values(), key=lambda g: g["index"]) if u["segments"] else []
+            gaps = [g["gap_ms"] for g in segs[1:] if g.get("gap_ms") is not None]
+            wire_gaps = []
+            for a, b in zip(segs, segs[1:], strict=False):
+                g = _ms(b["t_first_audio"], a["t_last_audio"])
+                if g is not None:
+                    wire_gaps.append(g)
+            boundary_buffer = [g["buffered_ms_at_first_audio"] for g in segs[1:]
+                               if g.get("buffered_ms_at_first_audio") is not None]
+            silence = None
+            if u["t_cancel"] is not None:
+                ends = [t for t in (u["t_cancelled"], u["t_last_audio_after_cancel"]) if t is not None]
+                silence = _ms(max(ends), u["t_cancel"]) if ends else None
+            rows.append(
+                {
+                    "session": s["session_id"],
+                    "role": s["role"],
+                    "index": u["index"],
+                    "chars": u["chars"],
+                    "ttfa_ms": _ms(u["t_first_audio"], u["t_first_text"]),
+                    "ttfa_segment_ms": _ms(u["t_first_audio"], u["t_first_segment_text"]),
+                    "t_first_text": u["t_first_text"],
+                    "t_first_audio": u["t_first_audio"],
+                    "total_ms": _ms(u["t_done"], u["t_first_text"]),
+                    "samples": u["samples"],
+                    "segment_gaps_ms": gaps,
+                    "wire_gaps_ms": wire_gaps,
+                    "boundary_buffer_ms": boundary_buffer,
+                    "cancelled": u["t_cancel"] is not None,
+                    "cancel_to_silence_ms": silence,
+                    "cancel_to_ack_ms": _ms(u["t_cancelled"], u["t_cancel"]),
+                    "frames_after_cancel": u["frames_after_cancel"],
+                    "completed": u["t_done"] is not None,
+                    "error": u["error"],
+                    "timed_out": u["timed_out"],
+                    "cut": u.get("cut", False),
+                    "done": u["done"],
+                }
+            )
+    return rows
+
+
+def _underruns_since(sessions: list[dict[str, Any]], since_s: float) -> tuple[int, float]:
+    n, ms = 0, 0.0
+    for s in sessions:
+        for start, end in s["underruns"]:
+            if end is None or end >= since_s:
+                n += 1 if start >= since_s else 0
+                ms += ((end if end is not None else start) - max(start, since_s)) * 1000.0
+    return n, round(ms, 1)
+
+
+def _group_metrics(sessions: list[dict[str, Any]], rows: list[dict[str, Any]], wall_s: float,
+                   sample_rate_hz: int, since_s: float | None = None) -> dict[str, Any]:
+    errors: dict[str, int] = defaultdict(int)
+    for r in rows:
+        if r["error"]:
+            errors[r["error"]] += 1
+    for s in sessions:
+        if s["connect_error"]:
+            errors["connect_error"] += 1
+    engine: dict[str, list[float]] = defaultdict(list)
+    for r in rows:
+        for k, v in (r["done"] or {}).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("utterance_id",):
+                engine[k].append(float(v))
+            elif isinstance(v, dict):
+                for k2, v2 in v.items():
+                    if isinstance(v2, (int, float)) and not isinstance(v2, bool):
+                        engine[f"{k}.{k2}"].append(float(v2))
+    completed = [r for r in rows if r["completed"] and not r["error"]]
+    audio_s = sum(r["samples"] for r in rows) / max(1, sample_rate_hz)
+    cancelled = [r for r in rows if r["cancelled"]]
+    extra: dict[str, Any] = {}
+    if since_s is not None:
+        n, ms = _underruns_since(sessions, since_s)
+        extra = {"since_s": since_s, "underruns_since": n, "underrun_ms_since": ms}
+    return extra | {
+        "wall_s": round(wall_s, 3),
+        "sessions": len(sessions),
+        "utterances": len(rows),
+        "completed": len(completed),
+        "cancelled": len(cancelled),
+        "timed_out": sum(1 for r in rows if r["timed_out"]),
+        "cut_at_end": sum(1 for r in rows if r["cut"]),
+        "errors": dict(errors),
+        "ttfa_ms": summarize(r["ttfa_ms"] for r in rows),
+        "ttfa_segment_ms": summarize(r["ttfa_segment_ms"] for r in rows),
+        "total_ms": summarize(r["total_ms"] for r in completed),
+        "underruns": sum(len(s["underruns"]) for s in sessions),
+        "underrun_ms": round(sum(s["underrun_ms"] for s in sessions), 1),
+        "sessions_with_underruns": sum(1 for s in sessions if s["underruns"]),
+        "segment_gap_ms": summarize(g for r in rows for g in r["segment_gaps_ms"]),
+        "segment_gaps_heard": sum(1 for r in rows for g in r["segment_gaps_ms"] if g > 0),
+        "wire_gap_ms": summarize(g for r in rows for g in r["wire_gaps_ms"]),
+        "boundary_buffer_ms": summarize(g for r in rows for g in r["boundary_buffer_ms"]),
+        "cancel_to_silence_ms": summarize(r["cancel_to_silence_ms"] for r in cancelled),
+        "cancel_to_ack_ms": summarize(r["cancel_to_ack_ms"] for r in cancelled),
+        "frames_after_cancel": sum(r["frames_after_cancel"] for r in cancelled),
+        "qps": round(len(completed) / wall_s, 3) if wall_s > 0 else None,
+        "audio_s": round(audio_s, 2),
+        "engine": {k: summarize(v) for k, v in sorted(engine.items())},
+    }
+
+
+def compute(sessions: list[dict[str, Any]], wall_s: float, sample_rate_hz: int = 24_000,
+            since_s: float | None = None) -> dict[str, Any]:
+    """Metrics for all sessions and per role (``background``, ``burst``, ``slow`` ...).
+
+    ``qps`` is completed utterances per second of the active period (first text sent to last
+    ``utterance.done``); ``wall_s`` is used only when the records have no such period.
+    ``since_s`` (seconds after t0, e.g. the burst): also count underruns from then on
+    (``underruns_since``, ``underrun_ms_since``: silence heard after ``since_s``)."""
+    rows = utterance_rows(sessions)
+    starts = [r["t_first_text"] for r in rows if r["t_first_text"] is not None]
+    dones = [u["t_done"] for s in sessions for u in s["utterances"] if u["t_done"] is not None]
+    if starts and dones and max(dones) > min(starts):
+        wall_s = max(dones) - min(starts)  # first text sent .. last utterance done
+    out: dict[str, Any] = {"all": _group_metrics(sessions, rows, wall_s, sample_rate_hz, since_s), "roles": {}}
+    for role in sorted({s["role"] for s in sessions}):
+        ss = [s for s in sessions if s["role"] == role]
+        rr = [r for r in rows if r["role"] == role]
+        out["roles"][role] = _group_metrics(ss, rr, wall_s, sample_rate_hz, since_s)
+    slow = [s for s in sessions if s["t_stop_reading"] is not None]
+    if slow:
+        out["slow_readers"] = [
+            {
+                "session": s["session_id"],
+                "close_code": s["close_code"],
+                "close_reason": s["close_reason"],
+                "stop_to_close_ms": _ms(s["t_closed"], s["t_stop_reading"]),
+            }
+            for s in slow
+        ]
+    return out

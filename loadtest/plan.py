@@ -1,0 +1,199 @@
+"""Load-test scenarios as plans: which session starts when and says what. Pure and seeded.
+
+A ``SessionPlan`` is everything one simulated chat session will do; workers execute plans,
+``metrics`` reads what happened. Scenarios (``build_plans``):
+
+* ``steady``: ``sessions`` chat sessions start spread over ``ramp_s`` and speak utterance
+  after utterance (think time between turns) until ``duration_s``.
+* ``burst``: ``background`` sessions start first and are mid-utterance (long answers) when,
+  at ``burst_at_s``, ``sessions`` new sessions all start their first utterance at once.
+  Measures the burst's TTFA and the underruns of the streams already playing.
+* ``barge-in``: like ``steady``, but each utterance is cancelled with probability
+  ``cancel_prob`` at a random time after its first audio (a user interrupting).
+* ``slow-reader``: like ``steady``, plus one session that stops reading its socket
+  ``slow_after_s`` after its first audio while the server still has audio for it. The others
+  must be unaffected.
+* ``closed-loop``: ``sessions`` sessions speak back to back (no think time) until
+  ``duration_s``: the throughput / latency comparison (QPS) against the baseline.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+SCENARIOS = ("steady", "burst", "barge-in", "slow-reader", "closed-loop")
+
+#: Hard caps: a load test is bounded in sessions, time and text whatever the flags say.
+MAX_SESSIONS = 1_024
+MAX_DURATION_S = 900.0
+MAX_UTTERANCE_CHARS = 4_000
+MAX_UTTERANCES_PER_SESSION = 1_000
+
+_CORPUS = (
+    "Sure, here is a quick overview of how it works.",
+    "The first step is to check the settings, then restart the service.",
+    "If that does not help, we can look at the logs together.",
+    "Most of the time the problem is a missing permission, which is easy to fix.",
+    "I would also recommend updating to the latest version, since it fixes several bugs.",
+    "Let me know if you want me to walk you through it step by step.",
+    "Another option is to reset the device, but that deletes your saved data.",
+    "In short, start simple, measure, and only then change one thing at a time.",
+    "The weather tomorrow looks mild, with a light breeze in the afternoon.",
+    "Good question! The answer depends on how much traffic you expect.",
+    "For a small team, the basic plan is usually enough to get started.",
+    "You can always upgrade later without losing anything.",
+)
+
+
+@dataclass(frozen=True)
+class UtterancePlan:
+    text: str
+    think_s: float = 0.0
+    """Pause before sending this utterance's first text (after the previous one finished)."""
+    cancel_after_audio_s: float | None = None
+    """Send ``cancel`` this long after the utterance's first audio arrived."""
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    session_id: int
+    role: str
+    """``steady``, ``background``, ``burst``, ``slow`` ... (metrics group by role)."""
+    start_s: float
+    """Connect at t0 + start_s."""
+    utterances: tuple[UtterancePlan, ...]
+    tokens_per_s: float = 40.0
+    token_chars: float = 4.0
+    seed: int = 0
+    voice: int | None = None
+    sample_rate_hz: int = 24_000
+    loop_until_s: float | None = None
+    """Repeat the utterance list until t0 + loop_until_s (steady, closed-loop)."""
+    stop_reading_after_audio_s: float | None = None
+    """Slow reader: stop reading the socket this long after the first audio."""
+    end_s: float = 60.0
+    """Hard end of this session (close) at t0 + end_s."""
+    wait_playback: bool = True
+    """Let each answer play out before the next turn (closed-loop: no, next request at once)."""
+
+
+@dataclass(frozen=True)
+class ScenarioParams:
+    scenario: str = "burst"
+    sessions: int = 8
+    """steady / barge-in / slow-reader / closed-loop: sessions; burst: sessions in the burst."""
+    background: int = 4
+    """burst: sessions already mid-utterance when the burst arrives."""
+    duration_s: float = 20.0
+    ramp_s: float = 2.0
+    burst_at_s: float = 4.0
+    tokens_per_s: float = 40.0
+    token_chars: float = 4.0
+    utterance_chars: int = 160
+    background_chars: int = 900
+    think_s: float = 1.0
+    cancel_prob: float = 0.5
+    slow_after_s: float = 0.5
+    sample_rate_hz: int = 24_000
+    seed: int = 0
+    settle_s: float = 15.0
+    """Extra time after the last planned start for utterances to finish (part of the caps)."""
+    voice: int | None = None
+
+
+def make_text(rng: random.Random, chars: int) -> str:
+    """Plausible chat-answer text of about ``chars`` characters (whole sentences)."""
+    chars = max(1, min(chars, MAX_UTTERANCE_CHARS))
+    out: list[str] = []
+    n = 0
+    while n < chars:
+        s = rng.choice(_CORPUS)
+        out.append(s)
+        n += len(s) + 1
+    text = " ".join(out)
+    return text[: MAX_UTTERANCE_CHARS]
+
+
+def tokenize(text: str, token_chars: float, rng: random.Random) -> list[str]:
+    """Split text like an LLM tokenizer would stream it: word pieces with their leading space,
+    about ``token_chars`` characters on average (long words split, short ones merged)."""
+    words: list[str] = []
+    for i, w in enumerate(text.split(" ")):
+        words.append(w if i == 0 else " " + w)
+    pieces: list[str] = []
+    size = max(1.0, token_chars)
+    for w in words:
+        while len(w) > size * 1.6:
+            cut = max(1, int(rng.uniform(0.6, 1.4) * size))
+            pieces.append(w[:cut])
+            w = w[cut:]
+        if w:
+            pieces.append(w)
+    return pieces
+
+
+def build_plans(p: ScenarioParams) -> list[SessionPlan]:
+    if p.scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {p.scenario!r}; known: {', '.join(SCENARIOS)}")
+    if not 0 < p.sessions <= MAX_SESSIONS or not 0 <= p.background <= MAX_SESSIONS:
+        raise ValueError(f"sessions must be in 1..{MAX_SESSIONS}")
+    if p.sessions + (p.background if p.scenario == "burst" else 0) > MAX_SESSIONS:
+        raise ValueError(f"at most {MAX_SESSIONS} sessions in all")
+    if not 0 < p.duration_s <= MAX_DURATION_S:
+        raise ValueError(f"duration_s must be in (0, {MAX_DURATION_S}]")
+    if p.tokens_per_s <= 0 or p.token_chars <= 0:
+        raise ValueError("tokens_per_s and token_chars must be > 0")
+    rng = random.Random(p.seed)
+    common = dict(tokens_per_s=p.tokens_per_s, token_chars=p.token_chars, sample_rate_hz=p.sample_rate_hz,
+                  voice=p.voice)
+    plans: list[SessionPlan] = []
+
+    def utterances(n: int, chars: int, think: float) -> tuple[UtterancePlan, ...]:
+        return tuple(
+            UtterancePlan(make_text(rng, chars), think_s=(rng.expovariate(1 / think) if think > 0 and i else 0.0))
+            for i in range(n)
+        )
+
+    if p.scenario == "burst":
+        end = min(MAX_DURATION_S, p.burst_at_s + p.duration_s)
+        for i in range(p.background):
+            start = rng.uniform(0.0, min(p.ramp_s, p.burst_at_s / 2))
+            plans.append(SessionPlan(i, "background", start, utterances(1, p.background_chars, 0.0),
+                                     seed=p.seed * 7919 + i, end_s=end, **common))  # type: ignore[arg-type]
+        for j in range(p.sessions):
+            sid = p.background + j
+            plans.append(SessionPlan(sid, "burst", p.burst_at_s, utterances(1, p.utterance_chars, 0.0),
+                                     seed=p.seed * 7919 + sid, end_s=end, **common))  # type: ignore[arg-type]
+        return plans
+
+    loop_until = p.duration_s
+    end = min(MAX_DURATION_S, p.duration_s + p.settle_s)
+    think = 0.0 if p.scenario == "closed-loop" else p.think_s
+    for i in range(p.sessions):
+        start = rng.uniform(0.0, p.ramp_s) if p.scenario != "closed-loop" else i * p.ramp_s / max(1, p.sessions)
+        utts = utterances(4, p.utterance_chars, think)
+        if p.scenario == "barge-in":
+            utts = tuple(
+                replace(u, cancel_after_audio_s=rng.uniform(0.2, 1.5)) if rng.random() < p.cancel_prob else u
+                for u in utts
+            )
+        plans.append(SessionPlan(i, p.scenario if p.scenario != "closed-loop" else "steady", start, utts,
+                                 seed=p.seed * 7919 + i, loop_until_s=loop_until, end_s=end,
+                                 wait_playback=p.scenario != "closed-loop", **common))  # type: ignore[arg-type]
+    if p.scenario == "slow-reader":
+        sid = p.sessions
+        plans.append(SessionPlan(sid, "slow", p.ramp_s / 2, utterances(1, max(p.background_chars, 600), 0.0),
+                                 seed=p.seed * 7919 + sid, stop_reading_after_audio_s=p.slow_after_s,
+                                 end_s=end, **common))  # type: ignore[arg-type]
+    return plans
+
+
+def split_plans(plans: list[SessionPlan], workers: int) -> list[list[SessionPlan]]:
+    """Round-robin plans over workers so each role is spread across processes."""
+    workers = max(1, workers)
+    out: list[list[SessionPlan]] = [[] for _ in range(workers)]
+    for i, plan in enumerate(sorted(plans, key=lambda q: (q.start_s, q.session_id))):
+        out[i % workers].append(plan)
+    return [w for w in out if w]
+

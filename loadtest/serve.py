@@ -1,0 +1,245 @@
+"""A gateway in a subprocess for a load test run, with the engine and policy asked for.
+
+``ServerProcess(engine, policy=...)`` starts ``python -m loadtest.serve ...`` (127.0.0.1, a
+free port), waits for its ``READY <ws-url>`` line, samples the RSS of its process tree (the
+vLLM engine core is a child process) and stops it on exit (SIGTERM, then SIGKILL).
+
+Engines: ``fake`` (the gateway tests' sine-tone double, ``tests/gateway/fakes.py``: needs the
+source tree), ``sim`` (``loadtest.simengine``: vLLM-like batch scheduling without a model), ``vllm`` and ``espeak`` (``engine.factory.create_speech_engine``), ``native``
+(``loadtest.baseline.NativePipelineSpeech``: upstream ChatTTS streaming, one at a time).
+Policies: ``priority`` (``engine.scheduler`` deadline priorities, vLLM ``scheduling_policy``
+"priority") or ``fcfs`` (every segment priority 0, vLLM "fcfs").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtest.procmem import RssSampler
+
+READY_PREFIX = "READY "
+ENGINES = ("fake", "sim", "vllm", "native", "espeak")
+#: ``priority`` = engine.scheduler deadline mode; ``buffer`` = its relative-bucket mode.
+POLICIES = ("priority", "buffer", "fcfs")
+#: Longest wait for a server to come up (a vLLM engine start on CPU takes 15-75 s).
+START_TIMEOUT_S = 240.0
+
+
+class ServerProcess:
+    def __init__(self, engine: str, *, model_dir: str = "", policy: str = "priority",
+                 overrides: dict[str, str] | None = None, start_timeout_s: float = START_TIMEOUT_S,
+                 first_lead_ms: float | None = None,
+                 log_path: str | Path | None = None) -> None:
+        self.engine = engine
+        self.model_dir = model_dir
+        self.policy = policy
+        self.first_lead_ms = first_lead_ms
+        self.overrides = dict(overrides or {})
+        self.start_timeout_s = start_timeout_s
+        self.url = ""
+        self.proc: subprocess.Popen[str] | None = None
+        self.sampler: RssSampler | None = None
+        self._log_file: Any = None
+        self.log_path = Path(log_path) if log_path else Path(tempfile.gettempdir()) / f"voicegw-loadtest-{engine}-{os.getpid()}.log"
+        self.start_s = 0.0
+
+    def __enter__(self) -> ServerProcess:
+        cmd = [sys.executable, "-m", "loadtest.serve", "--engine", self.engine, "--policy", self.policy]
+        if self.model_dir:
+            cmd += ["--model-dir", self.model_dir]
+        if self.first_lead_ms is not None:
+            cmd += ["--first-lead-ms", str(self.first_lead_ms)]
+        for k, v in self.overrides.items():
+            cmd += ["--set", f"{k}={v}"]
+        self._log_file = open(self.log_path, "w")  # noqa: SIM115 - closed in __exit__
+        env = dict(os.environ)
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        t = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log_file, text=True, env=env,
+                                     cwd=root, start_new_session=True)
+        try:
+            self.url = self._wait_ready()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        self.start_s = time.monotonic() - t
+        self.sampler = RssSampler(self.proc.pid).start()
+        self.sampler.sample()
+        self.rss_idle_bytes = self.sampler.last_bytes
+        return self
+
+    def _wait_ready(self) -> str:
+        assert self.proc is not None and self.proc.stdout is not None
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} before ready; log: {self.log_path}\n"
+                                   + _tail(self.log_path))
+            r, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if r:
+                line = self.proc.stdout.readline()
+                if line.startswith(READY_PREFIX):
+                    return line[len(READY_PREFIX):].strip()
+        raise TimeoutError(f"server not ready after {self.start_timeout_s:.0f} s; log: {self.log_path}\n"
+                           + _tail(self.log_path))
+
+    def info(self) -> dict[str, Any]:
+        s = self.sampler
+        return {
+            "engine": self.engine,
+            "policy": self.policy,
+            "url": self.url,
+            "pid": self.proc.pid if self.proc else None,
+            "start_s": round(self.start_s, 2),
+            "rss_idle_mib": round(self.rss_idle_bytes / 2**20, 1) if s else None,
+            "rss_peak_mib": round(s.peak_bytes / 2**20, 1) if s else None,
+            "rss_last_mib": round(s.last_bytes / 2**20, 1) if s else None,
+            "log": str(self.log_path),
+        }
+
+    def __exit__(self, *exc: object) -> None:
+        if self.sampler is not None:
+            self.sampler.sample()
+            self.sampler.stop()
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(5)
+        if proc is not None and proc.stdout is not None:
+            proc.stdout.close()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+def _tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+# ------------------------------------------------------------------------------ the child
+
+
+def _build_config(args: argparse.Namespace) -> Any:
+    from voicegw.config import load_config
+
+    overrides: dict[str, Any] = {"gateway.host": "127.0.0.1", "gateway.port": 0,
+                                 "engine.scheduling_policy": "fcfs" if args.policy == "fcfs" else "priority"}
+    if args.engine in ("vllm", "espeak"):
+        overrides["engine.backend"] = args.engine
+        overrides["engine.device"] = "cpu" if os.environ.get("CUDA_VISIBLE_DEVICES", "") == "" else "auto"
+    if args.model_dir:
+        overrides["engine.model_dir"] = args.model_dir
+    for item in args.set:
+        k, _, v = item.partition("=")
+        overrides[k] = v
+    return load_config(env={}, overrides=overrides)
+
+
+def _make_engine(kind: str, cfg: Any) -> Any:
+    if kind == "fake":
+        from tests.gateway.fakes import FakeSpeechEngine
+
+        return FakeSpeechEngine()
+    if kind == "sim":
+        from loadtest.simengine import SimBatchEngine
+
+        return SimBatchEngine(policy=cfg.engine.scheduling_policy, max_num_seqs=cfg.engine.max_num_seqs)
+    if kind == "native":
+        from loadtest.baseline import NativePipelineSpeech
+
+        return NativePipelineSpeech(cfg.engine.model_dir, default_speaker=cfg.engine.default_speaker)
+    from engine.factory import create_speech_engine  # type: ignore[import-not-found]
+
+    return create_speech_engine(cfg.engine)
+
+
+def _tiny_model_dir() -> str:
+    from engine.checkpoint import make_checkpoint
+
+    root = Path(os.environ.get("VOICEGW_LOADTEST_CKPT", Path(tempfile.gettempdir()) / "voicegw-loadtest-ckpt"))
+    return str(make_checkpoint(root / "tiny", "tiny", seed=0))
+
+
+async def _child(args: argparse.Namespace) -> None:
+    import engine  # noqa: F401  (torch companion shim)
+    from gateway.app import serve
+
+    if args.engine in ("vllm", "native") and not args.model_dir:
+        args.model_dir = _tiny_model_dir()
+    cfg = _build_config(args)
+    eng = _make_engine(args.engine, cfg)
+    priority_fn: Any
+    if args.policy != "fcfs":
+        from engine.scheduler import make_priority_fn
+
+        mode = "buffer" if args.policy == "buffer" else "deadline"
+        lead = float(args.first_lead_ms) if args.first_lead_ms is not None else None
+        priority_fn = make_priority_fn(cfg.scheduler, mode, first_lead_ms=lead)
+    else:
+        def priority_fn(first_in_utterance: bool, client_buffered_ms: float) -> int:
+            return 0
+    await eng.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    def ready(server: Any) -> None:
+        print(READY_PREFIX + server.ws_url, flush=True)
+
+    cfg = dataclasses.replace(cfg, gateway=dataclasses.replace(cfg.gateway, shutdown_grace_s=1.0))
+    try:
+        await serve(cfg, eng, stop=stop, priority_fn=priority_fn, on_ready=ready)
+    finally:
+        await eng.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.serve")
+    p.add_argument("--engine", choices=ENGINES, required=True)
+    p.add_argument("--policy", choices=POLICIES, default="priority")
+    p.add_argument("--first-lead-ms", default=None)
+    p.add_argument("--model-dir", default="")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    args = p.parse_args(argv)
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+
+        uvloop.run(_child(args))
+    except ImportError:  # pragma: no cover
+        asyncio.run(_child(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
