@@ -1,0 +1,41 @@
+"""Code engine factory: ``EngineConfig.backend`` -> a ``CodeEngine``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.api import CodeEngine
+from voicegw.config import EngineConfig
+
+
+class BackendUnavailable(RuntimeError):
+    """The configured code backend cannot run here (message says why)."""
+
+
+def create_code_engine(cfg: EngineConfig, model_dir: str | Path) -> CodeEngine:
+    """``vllm`` or ``reference`` (``auto`` means ``vllm``). The engine is not started.
+
+    ``model_dir`` must hold a complete checkpoint in upstream layout
+    (see ``engine.model_dir.resolve_model_dir``).
+    """
+    backend = cfg.backend
+    if backend in ("auto", "vllm"):
+        try:
+            from engine.vllm._env import prepare
+
+            prepare()
+            import vllm  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - any import failure: not usable here
+            if backend == "vllm":
+                raise BackendUnavailable(f"vLLM is not importable: {exc!r}") from exc
+            from engine.reference import ReferenceCodeEngine
+
+            return ReferenceCodeEngine(model_dir, cfg)
+        from engine.vllm.engine import VllmCodeEngine
+
+        return VllmCodeEngine(model_dir, cfg)
+    if backend == "reference":
+        from engine.reference import ReferenceCodeEngine
+
+        return ReferenceCodeEngine(model_dir, cfg)
+    raise BackendUnavailable(f"engine.backend={backend!r} has no code engine (espeak is a SpeechEngine)")

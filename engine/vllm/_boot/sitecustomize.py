@@ -1,0 +1,16 @@
+"""Loaded at start-up by Python processes that vLLM spawns from voicegw (see engine/vllm/_env.py).
+
+Does nothing unless VOICEGW_VLLM_BOOT=1 is set in the environment.
+"""
+
+import os
+
+if os.environ.get("VOICEGW_VLLM_BOOT") == "1":
+    try:
+        from engine.vllm._env import prepare
+
+        prepare()
+    except Exception as exc:  # never break interpreter start-up
+        import sys
+
+        print(f"voicegw: vLLM child preparation failed: {exc!r}", file=sys.stderr)

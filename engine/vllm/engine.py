@@ -1,0 +1,427 @@
+"""``VllmCodeEngine``: ChatTTS codes from stock vLLM's ``AsyncLLM`` (v1 engine).
+
+Per request: our own prompt ids (``skip_tokenizer_init``), the speaker vector and ChatTTS
+sampling parameters in ``SamplingParams.extra_args`` (read in the worker by
+:class:`engine.vllm.logits.ChatTTSLogitsProcessor`), ``cache_salt`` per speaker, ``priority``.
+
+Side channel for codebooks 1..3: vLLM's own logprobs. The model writes a marker logit at the
+code it sampled in each side codebook's id range; vLLM returns the top ``num_vq - 1``
+logprobs of each step from the logits *before* logits processors, so every returned token
+(codebook 0) arrives together with its three side codes, in the same ``RequestOutput``,
+through preemption and recompute alike. No extra process, socket or queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.api import (
+    CodeFrames,
+    EngineError,
+    EngineErrorKind,
+    EngineHealth,
+    SamplingParams,
+    SpeechRequest,
+)
+from engine.prompt import CodeModelInfo, PromptBuilder
+from engine.speaker import ResolvedSpeaker, SpeakerError, resolve_speaker
+from engine.vllm._env import child_env, prepare
+from engine.vllm.state import EXTRA_KEY, RequestParams
+from voicegw.config import EngineConfig
+
+_log = logging.getLogger(__name__)
+
+#: Most per-request stats kept for inspection (``request_stats``).
+_STATS_KEPT = 1024
+
+
+@dataclasses.dataclass
+class _Live:
+    aborted: bool = False
+
+
+def _detect_device(cfg: EngineConfig) -> str:
+    if cfg.device != "auto":
+        return cfg.device
+    try:
+        from vllm.platforms import current_platform
+
+        return "cpu" if current_platform.is_cpu() else "cuda"
+    except Exception:  # noqa: BLE001
+        return "cpu"
+
+
+def effective_min_new(p: SamplingParams) -> int:
+    """EOS is never allowed at step 0 (upstream silently regenerates then), and ``ignore_eos``
+    blocks it for the whole request."""
+    if p.ignore_eos:
+        return p.max_new_tokens
+    return max(1, p.min_new_tokens)
+
+
+class VllmCodeEngine:
+    """ChatTTS GPT inside vLLM. See the module docstring."""
+
+    name = "chattts-vllm"
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: EngineConfig,
+        *,
+        kv_cache_bytes: int | None = None,
+        engine_args: dict[str, Any] | None = None,
+        warmup: bool = True,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.cfg = cfg
+        self._kv_cache_bytes = kv_cache_bytes
+        self._extra_args = dict(engine_args or {})
+        self._warmup = warmup
+        self._prompts = PromptBuilder(self.model_dir)
+        self.info: CodeModelInfo = self._prompts.info
+        self._llm: Any = None
+        self._live: dict[str, _Live] = {}
+        self._stats: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._dead: str | None = None
+        self._speakers: OrderedDict[str, ResolvedSpeaker | None] = OrderedDict()
+        self.device = _detect_device(cfg)
+        self.start_seconds: float | None = None
+        self.start_breakdown: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def engine_args(self) -> Any:
+        prepare()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        from engine.vllm.logits import logits_processor_fqcn
+        from engine.vllm.plugin import ARCHITECTURE
+
+        info = self.info
+        dtype = self.cfg.dtype
+        if dtype == "auto":
+            dtype = "float32" if self.device == "cpu" else "bfloat16"
+        max_len = min(self.cfg.max_model_len, info.max_positions)
+        args: dict[str, Any] = dict(
+            model=str(self.model_dir / "asset" / "gpt"),
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            max_model_len=max_len,
+            max_num_seqs=self.cfg.max_num_seqs,
+            max_num_batched_tokens=max(self.cfg.max_num_batched_tokens, 16),
+            enable_chunked_prefill=self.cfg.enable_chunked_prefill,
+            enable_prefix_caching=self.cfg.enable_prefix_caching,
+            scheduling_policy=self.cfg.scheduling_policy,
+            enforce_eager=self.cfg.enforce_eager,
+            logits_processors=[logits_processor_fqcn()],
+            worker_extension_cls="engine.vllm.worker_ext.ChatTTSWorkerExtension",
+            max_logprobs=max(20, info.num_vq - 1),
+            generation_config="vllm",
+            disable_log_stats=True,
+            seed=0,
+            hf_overrides={
+                "architectures": [ARCHITECTURE],
+                "vocab_size": info.unified_vocab_size,
+                "chattts_num_text_tokens": info.num_text_tokens,
+                "chattts_num_audio_tokens": info.num_audio_tokens,
+                "chattts_num_vq": info.num_vq,
+                "chattts_spk_emb_id": info.spk_emb_id,
+                "chattts_embed_path": str((self.model_dir / "asset" / "Embed.safetensors").resolve()),
+            },
+        )
+        if self.device == "cpu":
+            kv = self._kv_cache_bytes or int(self.cfg.kv_cache_gib * 2**30)
+            args["kv_cache_memory_bytes"] = kv
+        else:
+            args["gpu_memory_utilization"] = self.cfg.gpu_memory_utilization
+            if self._kv_cache_bytes:
+                args["kv_cache_memory_bytes"] = self._kv_cache_bytes
+            args["async_scheduling"] = self.cfg.async_scheduling
+            if not self.cfg.enforce_eager:
+                # Our forward builds the input embedding on the host side of the step (side
+                # codes, speaker): keep it outside CUDA graphs (the decoder stack is captured).
+                args["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+        args.update(self._extra_args)
+        known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+        dropped = sorted(k for k in args if k not in known)
+        if dropped:
+            _log.warning("vLLM %s lacks engine args %s; ignored", _vllm_version(), dropped)
+        return AsyncEngineArgs(**{k: v for k, v in args.items() if k in known})
+
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        t0 = time.monotonic()
+        env = {"VLLM_USE_V2_MODEL_RUNNER": "0", **child_env()}
+        self._llm = await asyncio.to_thread(self._construct, env)
+        self._dead = None
+        t1 = time.monotonic()
+        if self._warmup:
+            await self._warm()
+        t2 = time.monotonic()
+        self.start_seconds = t2 - t0
+        self.start_breakdown = {"construct_s": t1 - t0, "warmup_s": t2 - t1}
+        _log.info(
+            "vLLM code engine ready in %.1f s (engine %.1f s, warm-up %.1f s; %s, vLLM %s)",
+            self.start_seconds, t1 - t0, t2 - t1, self.device, _vllm_version(),
+        )
+
+    def _construct(self, env: dict[str, str]) -> Any:
+        prepare()
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return AsyncLLM.from_engine_args(self.engine_args())
+        finally:
+            for k, v in saved.items():
+                if k == "VLLM_USE_V2_MODEL_RUNNER":
+                    continue  # vLLM reads it lazily in this process too; keep it
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    async def _warm(self) -> None:
+        """One short greedy and one sampled request: first-use paths (logprobs ranks,
+        sampler) run before real traffic."""
+        for i, temp in enumerate((0.0, 0.3)):
+            req = SpeechRequest(
+                request_id=f"__warmup-{i}-{time.monotonic_ns()}",
+                text="warm up",
+                speaker=0,
+                params=SamplingParams(temperature=temp, max_new_tokens=2, min_new_tokens=2, seed=1),
+            )
+            async for _ in self.generate(req):
+                pass
+
+    async def restart(self) -> None:
+        await self.close()
+        await self.start()
+
+    async def close(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        for live in self._live.values():
+            live.aborted = True
+        handler = getattr(llm, "output_handler", None)
+        if handler is not None:
+            handler.cancel()  # before the engine core goes away: no "engine dead" noise
+        try:
+            await asyncio.to_thread(llm.shutdown)
+        except Exception:  # noqa: BLE001 - already dead engines may raise on shutdown
+            _log.debug("vLLM shutdown raised", exc_info=True)
+        del llm
+        gc.collect()
+
+    # ------------------------------------------------------------------ requests
+
+    def _speaker(self, value: str | int | None) -> ResolvedSpeaker | None:
+        if value is None:
+            value = self.cfg.default_speaker
+        key = f"{type(value).__name__}:{value}"
+        if key in self._speakers:
+            self._speakers.move_to_end(key)
+            return self._speakers[key]
+        spk = resolve_speaker(value, self.info.hidden_size)
+        self._speakers[key] = spk
+        if len(self._speakers) > 256:
+            self._speakers.popitem(last=False)
+        return spk
+
+    def build(self, request: SpeechRequest, *, side_codes: bool = True) -> tuple[Any, Any]:
+        """(TokensPrompt, SamplingParams) for ``request``. Raises ``EngineError``."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        text = request.text.strip()
+        if not text:
+            raise EngineError("empty text", EngineErrorKind.RECOVERABLE)
+        try:
+            spk = self._speaker(request.speaker)
+        except SpeakerError as exc:
+            raise EngineError(f"bad speaker: {exc}", EngineErrorKind.RECOVERABLE) from None
+        p = request.params
+        ids = self._prompts.code_prompt_ids(text, spk is not None)
+        max_new = int(p.max_new_tokens)
+        room = min(self.cfg.max_model_len, self.info.max_positions) - len(ids)
+        if room < 1:
+            raise EngineError(f"prompt of {len(ids)} tokens leaves no room for audio", EngineErrorKind.RECOVERABLE)
+        max_new = max(1, min(max_new, room))
+        greedy = p.temperature <= 0.0
+        rp = RequestParams(
+            key=request.request_id,
+            temperature=float(p.temperature) if not greedy else 1.0,
+            top_p=float(p.top_p),
+            top_k=int(p.top_k),
+            penalty=float(p.repetition_penalty),
+            window=int(p.repetition_window),
+            min_new=min(effective_min_new(p), max_new),
+            max_new=max_new,
+            greedy=greedy,
+            seed=p.seed,
+            speaker=None if spk is None else [float(x) for x in spk.normalized],
+            side_codes=side_codes,
+        )
+        eos_id = self.info.num_text_tokens + self.info.eos_code
+        sp = VSamplingParams(
+            n=1,
+            temperature=0.0 if greedy else 1.0,
+            top_p=1.0,
+            top_k=0,
+            max_tokens=max_new,
+            stop_token_ids=[eos_id],
+            logprobs=self.info.num_vq - 1,
+            seed=p.seed,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={EXTRA_KEY: rp.to_extra()},
+        )
+        prompt: dict[str, Any] = {"prompt_token_ids": ids}
+        if spk is not None and self.cfg.enable_prefix_caching:
+            prompt["cache_salt"] = spk.salt
+        return TokensPrompt(**prompt), sp  # type: ignore[typeddict-item]
+
+    def _frames(self, token_ids: list[int], logprobs: Any) -> tuple[np.ndarray, bool]:
+        """Delta tokens + their logprob dicts -> (codes ``[n, num_vq]`` without EOS, saw_eos)."""
+        info = self.info
+        t, a = info.num_text_tokens, info.num_audio_tokens
+        rows: list[list[int]] = []
+        saw_eos = False
+        for j, tok in enumerate(token_ids):
+            c0 = tok - t
+            if not 0 <= c0 < a:
+                raise EngineError(f"vLLM sampled id {tok} outside codebook 0", EngineErrorKind.RECOVERABLE)
+            row = [c0] + [-1] * (info.num_vq - 1)
+            lp = logprobs[j] if logprobs is not None and j < len(logprobs) else None
+            if lp:
+                for tid in lp:
+                    book, code = divmod(int(tid) - t, a)
+                    if 1 <= book < info.num_vq:
+                        row[book] = code
+            if c0 == info.eos_code or info.eos_code in row:
+                saw_eos = True
+                break
+            if min(row) < 0:
+                raise EngineError("side codes missing from vLLM output", EngineErrorKind.RECOVERABLE)
+            rows.append(row)
+        codes = np.asarray(rows, dtype=np.int64).reshape(-1, info.num_vq)
+        return codes, saw_eos
+
+    async def generate(self, request: SpeechRequest, *, side_codes: bool = True) -> AsyncIterator[CodeFrames]:
+        """Stream code frames. ``side_codes=False`` is a debug switch (negative control)."""
+        llm = self._llm
+        if llm is None or self._dead:
+            raise EngineError(self._dead or "engine not started", EngineErrorKind.UNRECOVERABLE)
+        if request.request_id in self._live:
+            raise EngineError(f"duplicate request id {request.request_id}", EngineErrorKind.RECOVERABLE)
+        prompt, sp = self.build(request, side_codes=side_codes)
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        live = _Live()
+        rid = request.request_id
+        self._live[rid] = live
+        t_submit = time.monotonic()
+        stats: dict[str, Any] = {"prompt_tokens": len(prompt["prompt_token_ids"]), "steps": 0}
+        stream = llm.generate(prompt, sp, rid, priority=request.priority)
+        finished = False
+        try:
+            async for out in stream:
+                comp = out.outputs[0]
+                codes, saw_eos = self._frames(list(comp.token_ids), comp.logprobs)
+                stats["steps"] += len(comp.token_ids)
+                if "ttft_s" not in stats and len(comp.token_ids):
+                    stats["ttft_s"] = time.monotonic() - t_submit
+                    stats["num_cached_tokens"] = getattr(out, "num_cached_tokens", None)
+                done = bool(out.finished) or saw_eos
+                reason = None
+                if done:
+                    fr = comp.finish_reason
+                    if live.aborted or fr == "abort":
+                        reason = "abort"
+                    elif saw_eos or fr == "stop":
+                        reason = "eos"
+                    else:
+                        reason = "length"
+                if len(codes) or done:
+                    yield CodeFrames(request_id=rid, codes=codes, finished=done, finish_reason=reason)
+                if done:
+                    finished = True
+                    break
+            if not finished:
+                finished = True
+                yield CodeFrames(
+                    request_id=rid,
+                    codes=np.zeros((0, self.info.num_vq), dtype=np.int64),
+                    finished=True,
+                    finish_reason="abort",
+                )
+        except EngineDeadError as exc:
+            self._dead = f"vLLM engine died: {exc!r}"
+            raise EngineError(self._dead, EngineErrorKind.UNRECOVERABLE) from None
+        except EngineError:
+            raise
+        except Exception as exc:
+            if llm.errored:
+                self._dead = f"vLLM engine died: {exc!r}"
+                raise EngineError(self._dead, EngineErrorKind.UNRECOVERABLE) from None
+            raise EngineError(f"vLLM request failed: {exc!r}", EngineErrorKind.RECOVERABLE) from None
+        finally:
+            self._live.pop(rid, None)
+            stats["wall_s"] = time.monotonic() - t_submit
+            self._stats[rid] = stats
+            while len(self._stats) > _STATS_KEPT:
+                self._stats.popitem(last=False)
+            await stream.aclose()  # aborts in vLLM when we stopped early
+
+    async def abort(self, request_id: str) -> None:
+        live = self._live.get(request_id)
+        if live is not None:
+            live.aborted = True
+        if self._llm is not None and not self._dead:
+            try:
+                await self._llm.abort(request_id)
+            except Exception:  # noqa: BLE001 - abort of a finished/dead request
+                _log.debug("abort %s raised", request_id, exc_info=True)
+
+    def request_stats(self, request_id: str) -> dict[str, Any] | None:
+        """TTFT, steps, prompt tokens, prefix-cache hits of a recent request (observability)."""
+        return self._stats.get(request_id)
+
+    def health(self) -> EngineHealth:
+        llm = self._llm
+        if llm is None:
+            return EngineHealth(self.name, False, len(self._live), self._dead or "not started")
+        if self._dead or llm.errored:
+            self._dead = self._dead or "vLLM engine core died"
+            return EngineHealth(self.name, False, len(self._live), self._dead)
+        return EngineHealth(self.name, True, len(self._live), f"vLLM {_vllm_version()} on {self.device}")
+
+    async def worker_stats(self) -> dict[str, int]:
+        """Counters from the worker process (e.g. requests resumed after preemption)."""
+        res = await self._llm.collective_rpc("voicegw_stats")
+        return dict(res[0]) if res else {}
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:  # noqa: BLE001
+        return "?"
