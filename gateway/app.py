@@ -53,8 +53,9 @@ async def serve(
 
 def run_gateway(config: Config, engine: SpeechEngine | None = None) -> int:
     """Run the gateway in this process until SIGINT/SIGTERM (a second signal skips the grace
-    period). Creates the engine through ``engine.factory.create_speech_engine(config.engine)``
-    when none is given; starts and closes it. Returns the process exit code."""
+    period). Builds the engine with ``voicegw.runtime.build_speech_engine(config)`` when none is
+    given; starts it and closes it at the end. Returns the process exit code (2: the engine could
+    not be built or started)."""
     configure_logging(config.gateway)
     try:
         import uvloop
@@ -78,14 +79,18 @@ class _StartupError(Exception):
 
 async def _main(config: Config, engine: SpeechEngine | None) -> None:
     if engine is None:
+        from voicegw.runtime import build_speech_engine
+
         try:
-            from engine.factory import create_speech_engine  # type: ignore[import-not-found]
-        except ImportError as exc:
-            raise _StartupError(f"no engine factory available ({exc})") from None
-        engine = create_speech_engine(config.engine)
+            engine = build_speech_engine(config)
+        except Exception as exc:
+            raise _StartupError(f"cannot build the engine: {exc}") from None
     assert engine is not None
     log.info("event loop %s; engine %s", type(asyncio.get_running_loop()).__module__, engine.name)
-    await engine.start()
+    try:
+        await engine.start()
+    except Exception as exc:
+        raise _StartupError(f"cannot start the engine {engine.name}: {exc}") from None
     stop = asyncio.Event()
     force = asyncio.Event()
     loop = asyncio.get_running_loop()

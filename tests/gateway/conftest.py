@@ -1,8 +1,9 @@
 """Gateway test fixtures.
 
 ``speech_engine`` is THE engine of the integration tests. It is the sine-tone test double unless
-``VOICEGW_TEST_ENGINE`` names a backend (``vllm``, ``reference``, ``espeak``): then it is built with
-``engine.factory.create_speech_engine`` (the tiny ChatTTS checkpoint for ChatTTS backends).
+``VOICEGW_TEST_ENGINE`` names a backend (``vllm``, ``reference``, ``espeak``): then it is built like
+``voicegw serve`` builds it (``voicegw.runtime.build_speech_engine``; the tiny ChatTTS checkpoint
+for ChatTTS backends). Run those under ``flock /tmp/voicegw-heavy.lock``.
 Tests that need the double's knobs (failure injection, exact lengths) use ``fake_engine``.
 """
 
@@ -33,14 +34,13 @@ async def speech_engine(request: pytest.FixtureRequest) -> AsyncIterator[SpeechE
     if ENGINE_KIND == "fake":
         engine: SpeechEngine = FakeSpeechEngine()
     else:
-        from engine.factory import create_speech_engine  # type: ignore[import-not-found]
-
-        from voicegw.config import EngineConfig
+        from voicegw.config import Config, EngineConfig
+        from voicegw.runtime import build_speech_engine
 
         fields: dict[str, Any] = {"backend": ENGINE_KIND, "device": "cpu", "kv_cache_gib": 1.0}
-        if ENGINE_KIND in ("vllm", "reference"):
+        if ENGINE_KIND in ("vllm", "reference", "auto"):
             fields["model_dir"] = str(request.getfixturevalue("tiny_model_dir"))
-        engine = create_speech_engine(EngineConfig(**fields))
+        engine = build_speech_engine(Config(engine=EngineConfig(**fields)))
     await engine.start()
     yield engine
     await engine.close()
