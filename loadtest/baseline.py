@@ -166,7 +166,8 @@ class NativePipelineSpeech:
                 try:
                     while True:
                         get = asyncio.ensure_future(queue.get())
-                        done_set, _ = await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
+                        waitables: set[asyncio.Future[Any]] = {get, task}
+                        done_set, _ = await asyncio.wait(waitables, return_when=asyncio.FIRST_COMPLETED)
                         if get not in done_set:
                             get.cancel()
                             exc = task.exception()

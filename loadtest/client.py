@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import socket
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 import websockets
@@ -30,6 +32,8 @@ from loadtest.playback import JitterBuffer
 REPORT_PERIOD_S = 0.25
 #: Most buffer-level samples kept per session (for the plot).
 MAX_LEVEL_SAMPLES = 4_000
+#: Receive buffer of a slow-reader session's socket.
+SLOW_READER_RCVBUF_BYTES = 8_192
 #: Longest wait for an utterance to finish after its text ended.
 UTTERANCE_TIMEOUT_S = 60.0
 
@@ -334,10 +338,29 @@ class _Session:
         self.rec.underrun_ms = self.jb.underrun_ms(end)
         return self.rec
 
+    async def _small_buffer_socket(self) -> socket.socket:
+        """A connected socket with a tiny receive buffer: a client that stops reading then
+        blocks the server's writes within ~``SLOW_READER_RCVBUF_BYTES`` instead of the
+        megabytes a loopback socket buffers by default."""
+        parts = urlsplit(self.url)
+        host, port = parts.hostname or "127.0.0.1", parts.port or 80
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SLOW_READER_RCVBUF_BYTES)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, (host, port))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
     async def _run_connected(self) -> None:
         plan = self.plan
+        sock = await self._small_buffer_socket() if plan.stop_reading_after_audio_s is not None else None
         self.ws = await websockets.connect(
             self.url,
+            sock=sock,
             subprotocols=[P.SUBPROTOCOL],  # type: ignore[list-item]
             compression=None,
             open_timeout=10,
@@ -454,7 +477,9 @@ class _Session:
         await self.first_audio.wait()
         await asyncio.sleep(after_s)
         self.reading = False
-        self.rec.t_stop_reading = time.monotonic()
+        now = time.monotonic()
+        self.rec.t_stop_reading = now
+        self.jb.cancel(now)  # a stalled client plays nothing more: no underrun accounting
 
 
 async def _sleep_until(t: float) -> None:

@@ -164,7 +164,8 @@ def _group_metrics(sessions: list[dict[str, Any]], rows: list[dict[str, Any]], w
 
 def compute(sessions: list[dict[str, Any]], wall_s: float, sample_rate_hz: int = 24_000,
             since_s: float | None = None) -> dict[str, Any]:
-    """Metrics for all sessions and per role (``background``, ``burst``, ``slow`` ...).
+    """Metrics for all sessions and per role (``background``, ``burst``, ``slow`` ...). ``all``
+    leaves out deliberately stalled sessions (role ``slow``).
 
     ``qps`` is completed utterances per second of the active period (first text sent to last
     ``utterance.done``); ``wall_s`` is used only when the records have no such period.
@@ -175,7 +176,9 @@ def compute(sessions: list[dict[str, Any]], wall_s: float, sample_rate_hz: int =
     dones = [u["t_done"] for s in sessions for u in s["utterances"] if u["t_done"] is not None]
     if starts and dones and max(dones) > min(starts):
         wall_s = max(dones) - min(starts)  # first text sent .. last utterance done
-    out: dict[str, Any] = {"all": _group_metrics(sessions, rows, wall_s, sample_rate_hz, since_s), "roles": {}}
+    normal = [s for s in sessions if s["role"] != "slow"]
+    normal_rows = [r for r in rows if r["role"] != "slow"]
+    out: dict[str, Any] = {"all": _group_metrics(normal, normal_rows, wall_s, sample_rate_hz, since_s), "roles": {}}
     for role in sorted({s["role"] for s in sessions}):
         ss = [s for s in sessions if s["role"] == role]
         rr = [r for r in rows if r["role"] == role]

@@ -29,16 +29,16 @@ def summary_table(result: dict[str, Any]) -> str:
     """A per-role table of one run."""
     m = result["metrics"]
     since = m["all"].get("since_s")
-    head = ("role", "sess", "utt", "done", "err", "TTFA p50", "p95", "p99", "seg-TTFA p50", "p99",
+    head = ("role", "sess", "utt", "done", "cancel", "err", "TTFA p50", "p95", "p99", "seg-TTFA p50", "p99",
             "underruns", "underrun ms", *(("after burst", "ms after") if since is not None else ()),
             "gaps heard", "boundary buf p5", "cancel->silence p50", "p95", "QPS")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    groups = [("all", m["all"])] + sorted(m["roles"].items())
+    groups = [("all" if "slow" not in m["roles"] else "all but slow", m["all"])] + sorted(m["roles"].items())
     for role, g in groups:
         t, ts, cs = g["ttfa_ms"], g["ttfa_segment_ms"], g["cancel_to_silence_ms"]
         gap_b = g["boundary_buffer_ms"].get("p5")
         lines.append("| " + " | ".join([
-            role, _fmt(g["sessions"]), _fmt(g["utterances"]), _fmt(g["completed"]),
+            role, _fmt(g["sessions"]), _fmt(g["utterances"]), _fmt(g["completed"]), _fmt(g["cancelled"]),
             _fmt(sum(g["errors"].values())), _fmt(t["p50"]), _fmt(t["p95"]), _fmt(t["p99"]),
             _fmt(ts["p50"]), _fmt(ts["p99"]), _fmt(g["underruns"]), _fmt(g["underrun_ms"]),
             *((_fmt(g["underruns_since"]), _fmt(g["underrun_ms_since"])) if since is not None else ()),
@@ -48,8 +48,12 @@ def summary_table(result: dict[str, Any]) -> str:
     extra = []
     if m.get("slow_readers"):
         for s in m["slow_readers"]:
-            extra.append(f"slow reader {s['session']}: closed {s['close_code']} {s['close_reason']!r} "
-                         f"{_fmt(s['stop_to_close_ms'])} ms after it stopped reading")
+            if s["stop_to_close_ms"] is None:
+                extra.append(f"slow reader {s['session']}: still open at the end (not evicted: what the "
+                             "server sent still fit in socket buffers)")
+            else:
+                extra.append(f"slow reader {s['session']}: closed {s['close_code']} {s['close_reason']!r} "
+                             f"{_fmt(s['stop_to_close_ms'])} ms after it stopped reading")
     if m["all"]["errors"]:
         extra.append(f"errors: {m['all']['errors']}")
     if m["all"]["engine"]:

@@ -5,7 +5,7 @@ free port), waits for its ``READY <ws-url>`` line, samples the RSS of its proces
 vLLM engine core is a child process) and stops it on exit (SIGTERM, then SIGKILL).
 
 Engines: ``fake`` (the gateway tests' sine-tone double, ``tests/gateway/fakes.py``: needs the
-source tree), ``sim`` (``loadtest.simengine``: vLLM-like batch scheduling without a model), ``vllm`` and ``espeak`` (``engine.factory.create_speech_engine``), ``native``
+source tree), ``sim`` (``loadtest.simengine``: vLLM-like batch scheduling without a model), ``vllm`` and ``espeak`` (``voicegw.runtime.build_speech_engine``, as ``voicegw serve``), ``native``
 (``loadtest.baseline.NativePipelineSpeech``: upstream ChatTTS streaming, one at a time).
 Policies: ``priority`` (``engine.scheduler`` deadline priorities, vLLM ``scheduling_policy``
 "priority") or ``fcfs`` (every segment priority 0, vLLM "fcfs").
@@ -175,9 +175,9 @@ def _make_engine(kind: str, cfg: Any) -> Any:
         from loadtest.baseline import NativePipelineSpeech
 
         return NativePipelineSpeech(cfg.engine.model_dir, default_speaker=cfg.engine.default_speaker)
-    from engine.factory import create_speech_engine  # type: ignore[import-not-found]
+    from voicegw.runtime import build_speech_engine
 
-    return create_speech_engine(cfg.engine)
+    return build_speech_engine(cfg)
 
 
 def _tiny_model_dir() -> str:

@@ -1,0 +1,199 @@
+"""loadtest: pure parts (jitter buffer, plans, metrics, host guard) and tiny bounded runs
+against a gateway subprocess serving the fake engine (each run ~10 s)."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from loadtest.metrics import compute, summarize
+from loadtest.netguard import NotLocalError, check_local_url
+from loadtest.plan import MAX_SESSIONS, ScenarioParams, build_plans, split_plans, tokenize
+from loadtest.playback import JitterBuffer
+
+RATE = 24_000
+
+
+# ----------------------------------------------------------------------------- jitter buffer
+
+
+def test_jitter_buffer_prebuffers_then_plays_in_real_time() -> None:
+    jb = JitterBuffer(RATE, prebuffer_ms=80.0)
+    jb.begin_utterance(0.0)
+    jb.push(0.0, RATE // 20)  # 50 ms < prebuffer: not playing yet
+    jb.advance(1.0)
+    assert not jb.playing and jb.played_samples == 0 and jb.underrun_count == 0
+    jb.push(1.0, RATE // 10)  # 150 ms queued: starts
+    jb.advance(1.1)
+    assert jb.playing and jb.played_samples == pytest.approx(RATE // 10, abs=1)
+    assert jb.buffered_ms == pytest.approx(50.0, abs=0.1)
+
+
+def test_jitter_buffer_counts_underruns_only_while_audio_is_expected() -> None:
+    jb = JitterBuffer(RATE, prebuffer_ms=80.0, underrun_step_ms=20.0)
+    jb.begin_utterance(0.0)
+    jb.push(0.0, RATE // 10)  # 100 ms
+    jb.advance(0.3)  # dry at 0.1 while expecting more: underrun
+    assert jb.underrun_count == 1 and jb.open_underrun is not None
+    assert jb.target_ms == 100.0  # raised by 20 ms
+    jb.push(0.4, RATE // 5)  # 200 ms >= target: resumes, underrun closed
+    assert jb.playing and jb.open_underrun is None
+    assert jb.underrun_ms() == pytest.approx(300.0, abs=1.0)
+    jb.end_of_audio(0.45)
+    jb.advance(2.0)  # runs out after the end: not an underrun
+    assert jb.underrun_count == 1 and not jb.playing
+    assert jb.played_samples == RATE // 10 + RATE // 5
+
+
+def test_jitter_buffer_short_clip_and_cancel() -> None:
+    jb = JitterBuffer(RATE, prebuffer_ms=80.0)
+    jb.begin_utterance(0.0)
+    jb.push(0.0, RATE // 50)  # 20 ms clip, below the prebuffer
+    jb.end_of_audio(0.1)
+    assert jb.playing
+    jb.advance(0.2)
+    assert jb.played_samples == RATE // 50 and jb.underrun_count == 0
+    jb.begin_utterance(1.0)
+    jb.push(1.0, RATE)
+    jb.advance(1.5)
+    dropped = jb.cancel(1.5)
+    assert dropped == pytest.approx(RATE // 2 - RATE // 10 * 0 - int(0.08 * RATE) * 0, abs=RATE // 5)
+    assert jb.queued_samples == 0 and not jb.playing and not jb.expecting
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+def test_tokenize_keeps_the_text() -> None:
+    rng = random.Random(1)
+    text = "Sure, here is a quick overview of extraordinarily long words and tiny ones."
+    toks = tokenize(text, 4.0, rng)
+    assert "".join(toks) == text
+    assert 3.0 <= sum(map(len, toks)) / len(toks) <= 6.0
+
+
+def test_burst_plan_roles_and_determinism() -> None:
+    p = ScenarioParams(scenario="burst", sessions=5, background=3, burst_at_s=2.0)
+    plans = build_plans(p)
+    assert [q.role for q in plans].count("background") == 3
+    burst = [q for q in plans if q.role == "burst"]
+    assert len(burst) == 5 and all(q.start_s == 2.0 for q in burst)
+    assert all(q.start_s < 2.0 for q in plans if q.role == "background")
+    assert build_plans(p) == plans
+    groups = split_plans(plans, 3)
+    assert sorted(q.session_id for g in groups for q in g) == list(range(8))
+
+
+def test_plans_are_capped() -> None:
+    with pytest.raises(ValueError):
+        build_plans(ScenarioParams(scenario="steady", sessions=MAX_SESSIONS + 1))
+    with pytest.raises(ValueError):
+        build_plans(ScenarioParams(scenario="steady", duration_s=10_000))
+    with pytest.raises(ValueError):
+        build_plans(ScenarioParams(scenario="nope"))
+
+
+def test_barge_in_and_slow_reader_plans() -> None:
+    plans = build_plans(ScenarioParams(scenario="barge-in", sessions=20, cancel_prob=0.5))
+    cancels = [u.cancel_after_audio_s for q in plans for u in q.utterances if u.cancel_after_audio_s is not None]
+    assert 10 <= len(cancels) <= 70
+    slow = [q for q in build_plans(ScenarioParams(scenario="slow-reader", sessions=3)) if q.role == "slow"]
+    assert len(slow) == 1 and slow[0].stop_reading_after_audio_s is not None
+
+
+# ----------------------------------------------------------------------------- guard, metrics
+
+
+@pytest.mark.parametrize("url", ["ws://10.0.0.1:8765/ws", "ws://example.com/ws", "wss://127.0.0.1/ws",
+                                 "http://127.0.0.1/ws", "ws://0.0.0.0:1/ws"])
+def test_refuses_other_hosts(url: str) -> None:
+    with pytest.raises(NotLocalError):
+        check_local_url(url)
+
+
+def test_accepts_loopback() -> None:
+    assert check_local_url("ws://127.0.0.1:9/ws") == "ws://127.0.0.1:9/ws"
+    assert check_local_url("ws://localhost:9/ws") == "ws://127.0.0.1:9/ws"
+    assert check_local_url("ws://[::1]:9/ws") == "ws://[::1]:9/ws"
+
+
+def test_summarize() -> None:
+    s = summarize([1.0, 2.0, 3.0, None, float("nan")])  # type: ignore[list-item]
+    assert s["n"] == 3 and s["p50"] == 2.0 and s["max"] == 3.0
+    assert summarize([])["p99"] is None
+
+
+def _session(sid: int, role: str, t_text: float, t_audio: float | None, underruns: list) -> dict:
+    return {
+        "session_id": sid, "role": role, "connect_error": None, "underruns": underruns,
+        "underrun_ms": sum((e - s) * 1000 for s, e in underruns), "t_stop_reading": None,
+        "utterances": [{
+            "index": 0, "chars": 10, "t_first_text": t_text, "t_first_segment_text": t_text + 0.1,
+            "t_first_audio": t_audio, "t_done": None if t_audio is None else t_audio + 1.0, "done": {"samples": 100},
+            "samples": 100, "segments": {}, "t_cancel": None, "t_cancelled": None,
+            "t_last_audio_after_cancel": None, "frames_after_cancel": 0, "error": None, "timed_out": False,
+            "cut": False,
+        }],
+    }
+
+
+def test_metrics_by_role_and_since() -> None:
+    sessions = [
+        _session(0, "background", 0.0, 0.2, [(1.0, 1.1), (5.0, 5.5)]),
+        _session(1, "burst", 4.0, 4.3, []),
+        _session(2, "burst", 4.0, 4.5, []),
+    ]
+    m = compute(sessions, wall_s=10.0, since_s=4.0)
+    assert m["roles"]["burst"]["ttfa_ms"]["p50"] == pytest.approx(400.0)
+    assert m["roles"]["burst"]["ttfa_segment_ms"]["p50"] == pytest.approx(300.0)
+    bg = m["roles"]["background"]
+    assert bg["underruns"] == 2 and bg["underruns_since"] == 1
+    assert bg["underrun_ms_since"] == pytest.approx(500.0)
+    assert m["all"]["completed"] == 3 and m["all"]["engine"]["samples"]["p50"] == 100.0
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def fake_gateway_url() -> Iterator[str]:
+    from loadtest.serve import ServerProcess
+
+    with ServerProcess("fake") as srv:
+        yield srv.url
+
+
+def _run(tmp_path: Path, url: str, *args: str) -> dict:
+    from loadtest.cli import main
+
+    rc = main(["run", "--url", url, "--out", str(tmp_path), *args])
+    assert rc == 0
+    name = args[args.index("--scenario") + 1]
+    return json.loads((tmp_path / f"{name}.json").read_text())
+
+
+def test_burst_run_against_fake_gateway(tmp_path: Path, fake_gateway_url: str) -> None:
+    r = _run(tmp_path, fake_gateway_url, "--scenario", "burst", "--sessions", "3", "--background", "2",
+             "--burst-at", "1.5", "--duration", "3", "--background-chars", "300", "--utterance-chars", "60",
+             "--workers", "2")
+    assert r["missing_sessions"] == [] and r["workers"] == 2
+    burst = r["metrics"]["roles"]["burst"]
+    assert burst["ttfa_ms"]["n"] == 3 and burst["completed"] == 3
+    assert 0 < burst["ttfa_ms"]["p50"] < 3_000
+    assert r["metrics"]["roles"]["background"]["ttfa_ms"]["n"] == 2
+    assert (tmp_path / "burst.png").stat().st_size > 10_000
+    levels = [s["levels"] for s in r["sessions"]]
+    assert all(len(lv) > 3 for lv in levels)
+
+
+def test_barge_in_run_measures_cancel_to_silence(tmp_path: Path, fake_gateway_url: str) -> None:
+    r = _run(tmp_path, fake_gateway_url, "--scenario", "barge-in", "--sessions", "3", "--duration", "2.5",
+             "--settle", "6", "--cancel-prob", "1.0", "--utterance-chars", "120", "--no-plot")
+    m = r["metrics"]["all"]
+    assert m["cancelled"] >= 3
+    assert m["cancel_to_silence_ms"]["n"] >= 3
+    assert m["cancel_to_silence_ms"]["p95"] < 1_000
