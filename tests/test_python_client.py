@@ -118,7 +118,7 @@ async def test_say_writes_wav(gateway: GatewayServer, tmp_path: Path) -> None:
     pcm, rate = read_wav(out)
     assert rate == 24_000
     assert len(pcm) // 2 == stats.samples == stats.server_samples
-    assert 3.0 < stats.duration_ms / 1000 < 12.0, stats
+    assert 1.0 < stats.duration_ms / 1000 < 12.0, stats
     assert stats.ttfa_ms is not None and stats.ttfa_ms < 2000
     assert wall < stats.duration_ms / 1000, "instant (recorder) mode must not wait for real time"
     samples = np.frombuffer(pcm, dtype="<i2").astype(np.float64)
@@ -245,7 +245,7 @@ async def test_chat(gateway: GatewayServer, tmp_path: Path) -> None:
     text = out.getvalue()
     assert text.count("ok:") == 2, text
     pcm, rate = read_wav(wav)
-    assert rate == 24_000 and len(pcm) / 2 / rate > 1.0
+    assert rate == 24_000 and len(pcm) / 2 / rate > 0.4
 
 
 async def test_speakers_mode_with_fake_sound_card(gateway: GatewayServer, monkeypatch: pytest.MonkeyPatch) -> None:

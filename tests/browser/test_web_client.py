@@ -83,7 +83,7 @@ async def test_played_equals_sent_no_underruns(page: Any, gateway: Any, rate: in
     assert out["contextRate"] == (context_rate or rate)
     _check_clean_run(out)
     # played time matches audio length (real-time playback, not a dump)
-    assert out["result"]["durationMs"] > 2000
+    assert out["result"]["durationMs"] > 1000
     # the gateway got playback reports and its flow accounting agrees
     await _assert_server_saw_reports(gateway)
 
