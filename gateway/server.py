@@ -39,6 +39,7 @@ from websockets.protocol import State
 from websockets.typing import Subprotocol
 
 from engine.api import EngineError, EngineErrorKind, EngineOverloaded, SpeechEngine, SpeechRequest
+from gateway import dialects
 from gateway import protocol as P
 from gateway.flow import WaterMarks
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -166,6 +167,7 @@ class GatewayServer:
             open_timeout=g.open_timeout_s,
             close_timeout=_CLOSE_WAIT_S,
             server_header="voicegw",
+            create_connection=dialects.front_connection(self),  # POST /v1/audio/speech: gateway/dialects
         )
         sock = self._ws.sockets[0]
         self.port = sock.getsockname()[1]
@@ -221,7 +223,9 @@ class GatewayServer:
     # ---- the door -----------------------------------------------------------------------
 
     def _select_subprotocol(self, conn: ServerConnection, offered: Any) -> Subprotocol | None:
-        return Subprotocol(P.SUBPROTOCOL) if P.SUBPROTOCOL in offered else None
+        if P.SUBPROTOCOL in offered:
+            return Subprotocol(P.SUBPROTOCOL)
+        return dialects.select_subprotocol(conn, offered)
 
     def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
         parts = urlsplit(request.path)
@@ -232,7 +236,7 @@ class GatewayServer:
         if not upgrade:
             return self._http(path)
         if path != P.WS_PATH:
-            return _text(404, "not found")
+            return dialects.process_request(self, request)  # OpenAI/ElevenLabs/Deepgram paths, else 404
         if self.draining:
             self.metrics.rejected.labels("shutdown").inc()
             return _text(503, "server is shutting down", [("Retry-After", "5")])
@@ -348,6 +352,7 @@ class GatewayServer:
     # ---- connections --------------------------------------------------------------------
 
     async def _handler(self, ws: ServerConnection) -> None:
+        ws = dialects.adapt(self, ws)  # a dialect connection speaks protocol v1 to _Connection
         if len(self.connections) >= self.config.limits.max_sessions or self.draining:
             code = P.CloseCode.GOING_AWAY if self.draining else P.CloseCode.TRY_AGAIN_LATER
             reason = P.CloseReason.SHUTDOWN if self.draining else P.CloseReason.OVER_CAPACITY

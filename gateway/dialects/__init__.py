@@ -1,0 +1,162 @@
+"""The ecosystem's TTS dialects on the gateway's port, as thin adapters onto protocol v1.
+
+* OpenAI ``POST /v1/audio/speech`` (``openai.py``, served by ``http.py``);
+* ElevenLabs ``/v1/text-to-speech/{voice_id}/stream-input`` WebSocket (``elevenlabs.py``);
+* Deepgram ``/v1/speak`` WebSocket (``deepgram.py``).
+
+Every dialect connection runs one native session (``gateway/session.py``) through the same
+``server._Connection`` as a native client: same engine, scheduler, limits, flow control, metrics.
+``gateway/server.py`` calls four hooks from here:
+
+* ``front_connection(server)``: the ``create_connection`` of ``websockets.serve`` (diverts
+  requests that are not GET to ``http.py``);
+* ``process_request(server, request)``: handshakes on paths other than ``/ws``;
+* ``select_subprotocol(conn, offered)``: Deepgram's ``token`` subprotocol (browser auth);
+* ``adapt(server, ws)``: wraps a dialect WebSocket so the native connection code can drive it.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import http
+from typing import TYPE_CHECKING, Any, cast
+from urllib.parse import parse_qs, urlsplit
+
+import orjson
+from websockets.asyncio.server import ServerConnection
+from websockets.datastructures import Headers
+from websockets.http11 import Request, Response
+from websockets.typing import Subprotocol
+
+from gateway import protocol as P
+from gateway.dialects import deepgram, elevenlabs
+from gateway.dialects.base import token_matches
+from gateway.dialects.http import HttpExchange, front_connection
+from gateway.dialects.socket import DialectSocket
+
+if TYPE_CHECKING:
+    from gateway.server import GatewayServer
+
+__all__ = ["adapt", "front_connection", "process_request", "select_subprotocol"]
+
+_DEEPGRAM_SUBPROTOCOLS = ("token", "bearer")
+
+
+def _json_response(status: int, obj: Any, headers: list[tuple[str, str]] | None = None) -> Response:
+    body = orjson.dumps(obj)
+    st = http.HTTPStatus(status)
+    hdrs = Headers([("Date", email.utils.formatdate(usegmt=True)), ("Connection", "close"),
+                    ("Content-Length", str(len(body))), ("Content-Type", "application/json"),
+                    ("Cache-Control", "no-cache")])
+    for k, v in headers or []:
+        hdrs[k] = v
+    return Response(st.value, st.phrase, hdrs, body)
+
+
+def _text_response(status: int, text: str) -> Response:
+    r = _json_response(status, None)
+    body = (text + "\n").encode()
+    r.headers["Content-Type"] = "text/plain; charset=utf-8"
+    r.headers["Content-Length"] = str(len(body))
+    return Response(r.status_code, r.reason_phrase, r.headers, body)
+
+
+def _dialect_of(path: str) -> str | None:
+    if path == deepgram.PATH:
+        return "deepgram"
+    if elevenlabs.PATH_RE.match(path):
+        return "elevenlabs"
+    return None
+
+
+def _offered(headers: Headers) -> list[str]:
+    return [p.strip() for h in headers.get_all("Sec-WebSocket-Protocol") for p in h.split(",")]
+
+
+def _credentials(headers: Headers, query: str) -> list[str]:
+    """Every place a dialect client may put its key: ``Authorization: Bearer|Token <key>``,
+    ``xi-api-key``, subprotocols ``token, <key>`` / ``voicegw.token.<key>``, ``?token=``."""
+    out: list[str] = []
+    auth = headers.get("Authorization", "")
+    scheme, _, value = auth.partition(" ")
+    if scheme.lower() in ("bearer", "token") and value.strip():
+        out.append(value.strip())
+    if headers.get("xi-api-key"):
+        out.append(headers["xi-api-key"])
+    offered = _offered(headers)
+    for i, p in enumerate(offered):
+        if p in _DEEPGRAM_SUBPROTOCOLS and i + 1 < len(offered):
+            out.append(offered[i + 1])
+        if p.startswith(P.TOKEN_SUBPROTOCOL_PREFIX):
+            out.append(p[len(P.TOKEN_SUBPROTOCOL_PREFIX):])
+    out += parse_qs(query).get("token", [])
+    return out
+
+
+def process_request(server: GatewayServer, request: Request) -> Response | None:
+    """A WebSocket handshake on a path other than ``/ws``: 404 unless a dialect's; else the
+    dialect's refusal (draining 503, origin 403, auth 401, parameters 400/404, capacity 503), or
+    None to accept."""
+    parts = urlsplit(request.path)
+    dialect = _dialect_of(parts.path)
+    if dialect is None:
+        return _text_response(404, "not found")
+    if server.draining:
+        server.metrics.rejected.labels("shutdown").inc()
+        return _json_response(503, {"error": "server is shutting down"}, [("Retry-After", "5")])
+    if not server._origin_ok(request.headers):
+        server.metrics.rejected.labels("origin").inc()
+        return _json_response(403, {"error": "origin not allowed"})
+    tokens = server.config.gateway.auth_tokens
+    creds = _credentials(request.headers, parts.query)
+    if tokens and not token_matches(creds, tokens):
+        # ElevenLabs clients may send the key in their first message instead
+        if dialect != "elevenlabs" or creds:
+            server.metrics.rejected.labels("auth").inc()
+            return _json_response(401, {"error": "missing or invalid API key"},
+                                  [("WWW-Authenticate", 'Bearer realm="voicegw"')])
+    try:
+        if dialect == "deepgram":
+            deepgram.parse_query(parts.query)
+        else:
+            elevenlabs.parse_request(parts.path, parts.query)
+    except deepgram.QueryError as exc:
+        server.metrics.rejected.labels("params").inc()
+        return _json_response(400, {"err_code": exc.err_code, "err_msg": exc.err_msg}, [("dg-error", exc.err_msg)])
+    except elevenlabs.HandshakeError as exc:
+        server.metrics.rejected.labels("params").inc()
+        return _json_response(exc.http_status, {"detail": {"status": exc.status, "message": exc.message}})
+    if len(server.connections) >= server.config.limits.max_sessions:
+        server.metrics.rejected.labels("capacity").inc()
+        return _json_response(503, {"error": "too many sessions"}, [("Retry-After", "1")])
+    return None
+
+
+def select_subprotocol(conn: ServerConnection, offered: Any) -> Subprotocol | None:
+    """Deepgram browser clients authenticate with subprotocols ``token, <key>``: select ``token``."""
+    req = conn.request
+    if req is not None and urlsplit(req.path).path == deepgram.PATH:
+        for p in _DEEPGRAM_SUBPROTOCOLS:
+            if p in offered:
+                return Subprotocol(p)
+    return None
+
+
+def adapt(server: GatewayServer, ws: ServerConnection) -> ServerConnection:
+    """The connection ``server._Connection`` should drive: ``ws`` itself for the native protocol,
+    a ``DialectSocket`` for a dialect's WebSocket (HTTP exchanges come already adapted)."""
+    if isinstance(ws, (DialectSocket, HttpExchange)) or ws.request is None:
+        return ws
+    parts = urlsplit(ws.request.path)
+    dialect = _dialect_of(parts.path)
+    if dialect == "deepgram":
+        return cast(ServerConnection, DialectSocket(ws, deepgram.DeepgramTranslator(deepgram.parse_query(parts.query))))
+    if dialect == "elevenlabs":
+        tokens = server.config.gateway.auth_tokens
+        check = None
+        if tokens and not token_matches(_credentials(ws.request.headers, parts.query), tokens):
+            def check(key: str) -> bool:
+                return token_matches([key], tokens)
+        options = elevenlabs.parse_request(parts.path, parts.query)
+        return cast(ServerConnection, DialectSocket(ws, elevenlabs.ElevenLabsTranslator(options, check)))
+    return ws

@@ -1,0 +1,134 @@
+"""Audio output of the dialects (pure numpy + soxr): encodings, extra rates, WAV streaming header.
+
+The session always produces PCM16 at one of the native protocol's rates; a dialect may want a rate
+the native protocol does not offer (22050, 32000, 44100 Hz) or an encoding it does not (A-law).
+``Encoder`` turns the session's PCM16 into the dialect's bytes: a streaming band-limited resampler
+(``engine.audio_format.StreamResampler``) when the rates differ, then PCM16 / mu-law / A-law.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import numpy as np
+
+from engine.audio_format import StreamResampler, float_to_pcm16, pcm16_to_float
+from gateway import protocol as P
+from gateway.audio import mulaw_encode
+
+Encoding = Literal["pcm16", "mulaw", "alaw"]
+
+_BYTES_PER_SAMPLE: Final[dict[str, int]] = {"pcm16": 2, "mulaw": 1, "alaw": 1}
+#: Rate the session runs at when the wanted rate is not a native one (then resampled here).
+_FALLBACK_SESSION_RATE_HZ: Final = 24_000
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    encoding: Encoding
+    rate_hz: int
+
+    @property
+    def session_rate_hz(self) -> int:
+        """The native session's rate for this output (resampled from it when different)."""
+        return self.rate_hz if self.rate_hz in P.SUPPORTED_SAMPLE_RATES_HZ else _FALLBACK_SESSION_RATE_HZ
+
+    @property
+    def bytes_per_sample(self) -> int:
+        return _BYTES_PER_SAMPLE[self.encoding]
+
+
+# ---- G.711 A-law -------------------------------------------------------------------------
+
+_ALAW_SEG_END: Final = np.array([0x1F, 0x3F, 0x7F, 0xFF, 0x1FF, 0x3FF, 0x7FF, 0xFFF], dtype=np.int32)
+
+
+def _build_alaw_table() -> np.ndarray:
+    """A-law byte of every int16 value (index: value + 32768): G.711 on the 13-bit magnitude,
+    segment = first upper bound the magnitude does not exceed, 4 mantissa bits, even bits
+    inverted (XOR 0x55), sign bit set for non-negative samples."""
+    v = np.arange(-32_768, 32_768, dtype=np.int32) >> 3
+    neg = v < 0
+    mask = np.where(neg, 0x55, 0xD5)
+    mag = np.where(neg, -v - 1, v)
+    seg = np.searchsorted(_ALAW_SEG_END, mag, side="left").astype(np.int32)
+    shift = np.where(seg < 2, 1, seg)
+    aval = (np.minimum(seg, 7) << 4) | ((mag >> np.minimum(shift, 15)) & 0x0F)
+    aval = np.where(seg >= 8, 0x7F, aval)
+    return ((aval ^ mask) & 0xFF).astype(np.uint8)
+
+
+_ALAW_TABLE: Final = _build_alaw_table()
+
+
+def alaw_encode(pcm16: bytes) -> bytes:
+    """int16 little-endian samples -> A-law bytes (one per sample)."""
+    idx = np.frombuffer(pcm16, dtype="<i2").astype(np.int32) + 32_768
+    return bytes(_ALAW_TABLE[idx].tobytes())
+
+
+def alaw_decode(data: bytes) -> np.ndarray:
+    """A-law bytes -> int16 samples (tests, clients)."""
+    a = np.frombuffer(data, dtype=np.uint8).astype(np.int32) ^ 0x55
+    t = (a & 0x0F) << 4
+    seg = (a & 0x70) >> 4
+    t = np.where(seg == 0, t + 8, t + 0x108)
+    t = np.where(seg > 1, t << np.maximum(seg - 1, 0), t)
+    return np.where(a & 0x80, t, -t).astype(np.int16)
+
+
+# ---- streaming encoder ---------------------------------------------------------------------
+
+
+class Encoder:
+    """Session PCM16 (at ``fmt.session_rate_hz``) -> the dialect's bytes, streaming.
+
+    With resampling, the filter holds a few ms back: ``flush()`` at the end of an utterance emits
+    them (and starts a fresh filter for the next one); ``reset()`` drops them (cancel)."""
+
+    def __init__(self, fmt: OutputFormat) -> None:
+        self.fmt = fmt
+        self._rs: StreamResampler | None = None
+        self._dirty = False
+        self.reset()
+
+    def reset(self) -> None:
+        if self.fmt.session_rate_hz != self.fmt.rate_hz:
+            self._rs = StreamResampler(self.fmt.session_rate_hz, self.fmt.rate_hz)
+        self._dirty = False
+
+    def encode(self, pcm16: bytes) -> bytes:
+        if not pcm16:
+            return b""
+        if self._rs is not None:
+            self._dirty = True
+            pcm16 = float_to_pcm16(self._rs.process(pcm16_to_float(pcm16))).tobytes()
+        return self._finish(pcm16)
+
+    def flush(self) -> bytes:
+        """The resampler's tail (empty without resampling or when nothing is pending)."""
+        if self._rs is None or not self._dirty:
+            return b""
+        tail = float_to_pcm16(self._rs.process(np.zeros(0, dtype=np.float32), last=True)).tobytes()
+        self.reset()
+        return self._finish(tail)
+
+    def _finish(self, pcm16: bytes) -> bytes:
+        if self.fmt.encoding == "pcm16" or not pcm16:
+            return pcm16
+        if self.fmt.encoding == "mulaw":
+            return mulaw_encode(pcm16)
+        return alaw_encode(pcm16)
+
+
+def wav_stream_header(rate_hz: int, channels: int = 1, bits: int = 16) -> bytes:
+    """A 44-byte PCM WAV header for a stream of unknown length (RIFF and data sizes 0xFFFFFFFF:
+    readers take the data as running to the end of the file)."""
+    block = channels * bits // 8
+    return (
+        b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVE"
+        + b"fmt " + struct.pack("<IHHIIHH", 16, 1, channels, rate_hz, rate_hz * block, block, bits)
+        + b"data" + struct.pack("<I", 0xFFFFFFFF)
+    )

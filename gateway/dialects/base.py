@@ -1,0 +1,174 @@
+"""What the WebSocket dialects share (pure): the translator interface and turn bookkeeping.
+
+A dialect translator sits between a dialect's client and one native session (protocol v1,
+``gateway/session.py``). It never touches sockets: it turns client frames into native client
+messages, and the session's messages and audio into the dialect's frames (``Step``).
+``gateway/dialects/socket.py`` carries the steps out.
+
+``Turns`` answers the question every dialect asks: "the client marked the end of its text here:
+when has all of that text's audio been sent?" (ElevenLabs' ``isFinal``, Deepgram's ``Flushed``).
+It sends ``text.end`` followed by a ``ping`` (a barrier: its ``pong`` comes after every reply to
+the text before it), and watches ``error`` replies (a refused ``text.delta`` echoes its id) and
+``utterance.done`` (one per utterance, in order). A boundary whose text opened an utterance is
+complete at that utterance's ``utterance.done``; one whose text opened none (no text, or every
+delta refused) at its ``pong``. Completions come out in boundary order.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from gateway import protocol as P
+
+
+@dataclass
+class Step:
+    """What a translator wants done."""
+
+    to_session: list[dict[str, Any]] = field(default_factory=list)
+    """Native client messages for the session, in order."""
+    to_client: list[str | bytes] = field(default_factory=list)
+    """Dialect frames for the client, in order (str: text frame, bytes: binary frame)."""
+    close: tuple[int, str] | None = None
+    """Close the client connection (code, reason) after ``to_client``."""
+    delivered_samples: int = 0
+    """Session samples handed to the client by this step (flow-control credit)."""
+
+    def extend(self, other: Step) -> Step:
+        self.to_session += other.to_session
+        self.to_client += other.to_client
+        self.close = self.close or other.close
+        self.delivered_samples += other.delivered_samples
+        return self
+
+
+class Translator(Protocol):
+    """One dialect connection's translation (pure; see Step)."""
+
+    def opening(self) -> Step:
+        """At connect: the native ``session.start`` (and any greeting for the client)."""
+        ...
+
+    def on_client(self, data: str | bytes) -> Step: ...
+
+    def on_server_message(self, msg: dict[str, Any]) -> Step: ...
+
+    def on_server_audio(self, header: P.AudioFrameHeader, pcm16: bytes) -> Step: ...
+
+    def on_server_close(self, code: int, reason: str) -> Step:
+        """The session closes the connection: frames to send first, and the close to use."""
+        ...
+
+
+@dataclass(eq=False)
+class _Boundary:
+    tag: Any
+    delta_ids: set[str]
+    refused: set[str]
+    ponged: bool = False
+    done: bool = False
+    status: str = "ok"
+    cancelled: bool = False
+
+    @property
+    def opened(self) -> bool:
+        return bool(self.delta_ids - self.refused)
+
+    @property
+    def complete(self) -> bool:
+        return self.ponged and (self.done or not self.opened)
+
+
+class Turns:
+    """Boundary bookkeeping over the native protocol (see the module docstring)."""
+
+    def __init__(self, prefix: str = "") -> None:
+        self._prefix = prefix
+        self._n = 0
+        self._current: set[str] = set()
+        self._refused: set[str] = set()
+        self._pending: deque[_Boundary] = deque()
+        self._barriers: dict[str, _Boundary] = {}
+
+    def _id(self, kind: str) -> str:
+        self._n += 1
+        return f"{self._prefix}{kind}{self._n}"
+
+    @property
+    def has_text(self) -> bool:
+        """Text was sent since the last boundary."""
+        return bool(self._current)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def delta(self, text: str) -> list[dict[str, Any]]:
+        """``text.delta`` for a piece of text (nothing for an empty one)."""
+        if not text:
+            return []
+        mid = self._id("d")
+        self._current.add(mid)
+        return [{"type": P.ClientType.TEXT_DELTA.value, "text": text, "id": mid}]
+
+    def boundary(self, tag: Any) -> list[dict[str, Any]]:
+        """End the current text: ``text.end`` plus the barrier ``ping``; ``tag`` comes back from
+        ``completed`` once all of the text's audio has been sent."""
+        b = _Boundary(tag, self._current, self._refused)
+        self._current, self._refused = set(), set()
+        bid = self._id("b")
+        self._pending.append(b)
+        self._barriers[bid] = b
+        return [{"type": P.ClientType.TEXT_END.value}, {"type": P.ClientType.PING.value, "id": bid}]
+
+    def cancel_all(self) -> None:
+        """A native ``cancel`` was sent: every boundary so far (and the open text) is dropped once
+        the ``cancelled`` reply comes (``on_cancelled``)."""
+        for b in self._pending:
+            b.cancelled = True
+        self._current, self._refused = set(), set()
+
+    def on_cancelled(self) -> None:
+        self._pending = deque(b for b in self._pending if not b.cancelled)
+        self._barriers = {k: b for k, b in self._barriers.items() if not b.cancelled}
+
+    def on_server_message(self, msg: dict[str, Any]) -> list[tuple[Any, str]]:
+        """Feed every session message; returns ``(tag, status)`` of boundaries now complete, in
+        order (status ``ok``, ``error`` or ``empty``)."""
+        mtype = msg.get("type")
+        mid = msg.get("id")
+        if mtype == P.ServerType.ERROR.value and isinstance(mid, str):
+            if mid in self._current:
+                self._refused.add(mid)
+            else:
+                for b in self._pending:
+                    if mid in b.delta_ids:
+                        b.refused.add(mid)
+                        break
+        elif mtype == P.ServerType.PONG.value and isinstance(mid, str) and mid in self._barriers:
+            self._barriers.pop(mid).ponged = True
+        elif mtype == P.ServerType.UTTERANCE_DONE.value:
+            for b in self._pending:
+                if not b.cancelled and not b.done and (not b.ponged or b.opened):
+                    b.done = True
+                    b.status = str(msg.get("status", "ok"))
+                    break
+        out: list[tuple[Any, str]] = []
+        while self._pending and self._pending[0].complete and not self._pending[0].cancelled:
+            b = self._pending.popleft()
+            out.append((b.tag, b.status if b.opened else "empty"))
+        return out
+
+
+def token_matches(candidates: Iterable[str], tokens: Iterable[str]) -> bool:
+    """Constant-time comparison of every candidate against every accepted token."""
+    ok = False
+    toks = list(tokens)
+    for c in candidates:
+        for t in toks:
+            ok |= hmac.compare_digest(c.encode(), t.encode())
+    return ok

@@ -1,0 +1,193 @@
+"""Deepgram's text-to-speech WebSocket (``/v1/speak``) over a native session (pure).
+
+Client: ``{"type": "Speak", "text"}``, ``{"type": "Flush"}``, ``{"type": "Clear"}``,
+``{"type": "Close"}``. Server: ``Metadata`` at connect, binary audio, ``Flushed``/``Cleared``
+(``sequence_id``), ``Warning``. Mapping (docs/dialects/deepgram.md):
+
+* ``Speak`` -> ``text.delta``; the native segmenter starts audio at clause boundaries, so audio
+  flows before ``Flush`` as it does at Deepgram.
+* ``Flush`` -> ``text.end`` (+ barrier); ``Flushed`` once all its audio has been sent.
+* ``Clear`` -> ``cancel``; audio still queued for the client is dropped; ``Cleared`` follows.
+* ``Close`` -> ``text.end``; the connection closes 1000 once everything sent before it is spoken.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Final
+from urllib.parse import parse_qs
+
+import orjson
+
+from gateway import protocol as P
+from gateway.dialects import voices
+from gateway.dialects.audio import Encoder, OutputFormat
+from gateway.dialects.base import Step, Turns
+
+PATH: Final = "/v1/speak"
+#: encoding -> sample rates Deepgram accepts for it (default: linear16 at 24000 Hz).
+RATES_HZ: Final[dict[str, tuple[int, ...]]] = {
+    "linear16": (8_000, 16_000, 24_000, 32_000, 48_000),
+    "mulaw": (8_000, 16_000),
+    "alaw": (8_000, 16_000),
+}
+DEFAULT_RATE_HZ: Final[dict[str, int]] = {"linear16": 24_000, "mulaw": 8_000, "alaw": 8_000}
+_ENCODINGS: Final = {"linear16": "pcm16", "mulaw": "mulaw", "alaw": "alaw"}
+MODEL_VERSION: Final = "voicegw-chattts"
+#: Query parameters accepted and ignored.
+IGNORED_PARAMS: Final = frozenset({"mip_opt_out", "tag", "callback", "callback_method", "bit_rate",
+                                   "container"})
+
+
+class QueryError(ValueError):
+    """Refused at the handshake: HTTP 400 with ``{"err_code", "err_msg"}``."""
+
+    def __init__(self, err_code: str, err_msg: str) -> None:
+        super().__init__(err_msg)
+        self.err_code = err_code
+        self.err_msg = err_msg
+
+
+@dataclass(frozen=True)
+class Options:
+    model: str
+    speaker: voices.Speaker
+    fmt: OutputFormat
+    language: str | None
+
+
+def parse_query(query: str) -> Options:
+    """The handshake's query string -> options; raises QueryError."""
+    try:
+        q = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True, strict_parsing=False).items()}
+    except ValueError:
+        raise QueryError("INVALID_QUERY_PARAMETER", "malformed query string") from None
+    model = q.get("model") or voices.DEEPGRAM_DEFAULT_MODEL
+    try:
+        speaker = voices.deepgram_voice(model)
+    except voices.UnknownVoice:
+        raise QueryError("INVALID_QUERY_PARAMETER", f"unknown model {model!r}: see docs/dialects/deepgram.md "
+                         "for the voices this server has") from None
+    encoding = q.get("encoding") or "linear16"
+    if encoding not in RATES_HZ:
+        raise QueryError("UNSUPPORTED_ENCODING", f"encoding {encoding!r} not supported; use linear16, mulaw "
+                         "or alaw (no containers)")
+    rate_s = q.get("sample_rate") or str(DEFAULT_RATE_HZ[encoding])
+    if not rate_s.isdigit() or int(rate_s) not in RATES_HZ[encoding]:
+        raise QueryError("INVALID_QUERY_PARAMETER", f"sample_rate {rate_s!r} not supported for {encoding}; "
+                         f"use one of {', '.join(map(str, RATES_HZ[encoding]))}")
+    speed = q.get("speed")
+    if speed not in (None, "", "1", "1.0"):
+        raise QueryError("INVALID_QUERY_PARAMETER", "speed other than 1.0 is not supported by this server")
+    parts = model.lower().rsplit("-", 1)
+    language = parts[1] if len(parts) == 2 and len(parts[1]) == 2 and parts[1].isalpha() else None
+    return Options(model, speaker, OutputFormat(_ENCODINGS[encoding], int(rate_s)), language)  # type: ignore[arg-type]
+
+
+def _json(obj: dict[str, Any]) -> str:
+    return orjson.dumps(obj).decode()
+
+
+def _warning(code: str, description: str) -> str:
+    return _json({"type": "Warning", "description": description, "code": code})
+
+
+class DeepgramTranslator:
+    """One ``/v1/speak`` connection (see the module docstring)."""
+
+    def __init__(self, options: Options, request_id: str | None = None) -> None:
+        self.options = options
+        self.request_id = request_id or str(uuid.uuid4())
+        self.encoder = Encoder(options.fmt)
+        self.turns = Turns()
+        self.flushed_seq = 0
+        self.cleared_seq = 0
+        self.closing = False
+        self.discarding = False
+        """Between a Clear and its ``cancelled`` reply: audio still queued belongs to what was
+        cleared and is dropped."""
+        self.delivered_samples = 0
+
+    def opening(self) -> Step:
+        o = self.options
+        start: dict[str, Any] = {"type": P.ClientType.SESSION_START.value, "sample_rate": o.fmt.session_rate_hz,
+                                 "format": P.AudioFormat.PCM16.value}
+        if o.speaker is not None:
+            start["voice"] = o.speaker
+        if o.language:
+            start["language"] = o.language
+        meta = {"type": "Metadata", "request_id": self.request_id, "model_name": o.model,
+                "model_version": MODEL_VERSION, "model_uuid": str(uuid.uuid5(uuid.NAMESPACE_URL, o.model))}
+        return Step(to_session=[start], to_client=[_json(meta)])
+
+    # ---- client -> session ------------------------------------------------------------------
+
+    def on_client(self, data: str | bytes) -> Step:
+        if isinstance(data, bytes):
+            return Step(to_client=[_warning("BINARY_NOT_ALLOWED", "binary messages are not accepted")])
+        try:
+            msg = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return Step(to_client=[_warning("INVALID_JSON", "message is not valid JSON")])
+        mtype = msg.get("type") if isinstance(msg, dict) else None
+        if self.closing:
+            return Step(to_client=[_warning("CLOSING", f"{mtype} after Close ignored")])
+        if mtype == "Speak":
+            text = msg.get("text")
+            if not isinstance(text, str):
+                return Step(to_client=[_warning("INVALID_MESSAGE", 'Speak needs a string "text"')])
+            return Step(to_session=self.turns.delta(text))
+        if mtype == "Flush":
+            return Step(to_session=self.turns.boundary("flush"))
+        if mtype == "Clear":
+            self.turns.cancel_all()
+            self.discarding = True
+            return Step(to_session=[{"type": P.ClientType.CANCEL.value, "played_samples": self.delivered_samples}])
+        if mtype == "Close":
+            self.closing = True
+            return Step(to_session=self.turns.boundary("close"))
+        return Step(to_client=[_warning("UNKNOWN_MESSAGE_TYPE", f"unknown message type {mtype!r}; expected "
+                                        "Speak, Flush, Clear or Close")])
+
+    # ---- session -> client ------------------------------------------------------------------
+
+    def on_server_audio(self, header: P.AudioFrameHeader, pcm16: bytes) -> Step:
+        if self.discarding:
+            return Step()
+        n = len(pcm16) // 2
+        self.delivered_samples += n
+        data = self.encoder.encode(pcm16)
+        return Step(to_client=[data] if data else [], delivered_samples=n)
+
+    def on_server_message(self, msg: dict[str, Any]) -> Step:
+        step = Step()
+        mtype = msg.get("type")
+        if mtype == P.ServerType.CANCELLED.value:
+            self.discarding = False
+            self.encoder.reset()
+            self.turns.on_cancelled()
+            step.to_client.append(_json({"type": "Cleared", "sequence_id": self.cleared_seq}))
+            self.cleared_seq += 1
+        elif mtype == P.ServerType.ERROR.value and not _is_own_refusal(msg):
+            step.to_client.append(_warning(str(msg.get("code", "error")).upper(), str(msg.get("message", ""))))
+        elif mtype == P.ServerType.ERROR.value:
+            step.to_client.append(_warning(str(msg.get("code", "error")).upper(),
+                                           f"{msg.get('message', '')} (Speak dropped)"))
+        for tag, _status in self.turns.on_server_message(msg):
+            tail = self.encoder.flush()
+            if tail:
+                step.to_client.append(tail)
+            if tag == "flush":
+                step.to_client.append(_json({"type": "Flushed", "sequence_id": self.flushed_seq}))
+                self.flushed_seq += 1
+            elif tag == "close":
+                step.close = (1000, "")
+        return step
+
+    def on_server_close(self, code: int, reason: str) -> Step:
+        return Step(close=(code, reason))
+
+
+def _is_own_refusal(msg: dict[str, Any]) -> bool:
+    return isinstance(msg.get("id"), str)

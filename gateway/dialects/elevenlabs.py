@@ -1,0 +1,215 @@
+"""ElevenLabs' input-streaming WebSocket (``/v1/text-to-speech/{voice_id}/stream-input``) over a
+native session (pure).
+
+Client: a first message ``{"text": " ", "voice_settings"?, "generation_config"?, "xi_api_key"?}``,
+then ``{"text": "...", "flush"?: bool, "try_trigger_generation"?: bool}``, and ``{"text": ""}`` to
+end. Server: ``{"audio": base64, "isFinal": false, "normalizedAlignment": null, "alignment": null}``
+per chunk, ``{"isFinal": true}`` once everything is spoken, then close 1000. Mapping
+(docs/dialects/elevenlabs.md): text -> ``text.delta``; ``flush: true`` -> ``text.flush``;
+``{"text": ""}`` -> ``text.end`` (+ barrier) -> ``isFinal`` -> close.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+from urllib.parse import parse_qs, unquote
+
+import orjson
+
+from gateway import protocol as P
+from gateway.dialects import voices
+from gateway.dialects.audio import Encoder, OutputFormat
+from gateway.dialects.base import Step, Turns
+
+PATH_RE: Final = re.compile(r"^/v1/text-to-speech/([^/]{1,128})/stream-input$")
+#: output_format values served (ElevenLabs names).
+OUTPUT_FORMATS: Final[dict[str, OutputFormat]] = {
+    "pcm_8000": OutputFormat("pcm16", 8_000),
+    "pcm_16000": OutputFormat("pcm16", 16_000),
+    "pcm_22050": OutputFormat("pcm16", 22_050),
+    "pcm_24000": OutputFormat("pcm16", 24_000),
+    "pcm_44100": OutputFormat("pcm16", 44_100),
+    "pcm_48000": OutputFormat("pcm16", 48_000),
+    "ulaw_8000": OutputFormat("mulaw", 8_000),
+    "alaw_8000": OutputFormat("alaw", 8_000),
+}
+#: Query parameters accepted and ignored.
+IGNORED_PARAMS: Final = frozenset({"model_id", "enable_logging", "enable_ssml_parsing", "optimize_streaming_latency",
+                                   "inactivity_timeout", "sync_alignment", "auto_mode", "apply_text_normalization"})
+
+
+class HandshakeError(ValueError):
+    """Refused at the handshake: HTTP ``status`` with ``{"detail": {"status", "message"}}``."""
+
+    def __init__(self, http_status: int, status: str, message: str) -> None:
+        super().__init__(message)
+        self.http_status = http_status
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Options:
+    voice_id: str
+    speaker: voices.Speaker
+    fmt: OutputFormat
+    language: str | None
+    seed: int | None
+
+
+def parse_request(path: str, query: str) -> Options:
+    """Path and query of the handshake -> options; raises HandshakeError."""
+    m = PATH_RE.match(path)
+    if m is None:
+        raise HandshakeError(404, "not_found", "not found")
+    voice_id = unquote(m.group(1))
+    try:
+        speaker = voices.elevenlabs_voice(voice_id)
+    except voices.UnknownVoice:
+        raise HandshakeError(404, "voice_not_found", f"A voice with the voice_id {voice_id} was not found "
+                             "(see docs/dialects/elevenlabs.md for the voices this server has).") from None
+    try:
+        q = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
+    except ValueError:
+        raise HandshakeError(400, "invalid_query", "malformed query string") from None
+    fmt_name = q.get("output_format") or "mp3_44100_128"
+    fmt = OUTPUT_FORMATS.get(fmt_name)
+    if fmt is None:
+        raise HandshakeError(400, "invalid_output_format", f"output_format {fmt_name} is not supported by this "
+                             f"server; use one of {', '.join(OUTPUT_FORMATS)}")
+    seed: int | None = None
+    if q.get("seed"):
+        if not q["seed"].isdigit() or int(q["seed"]) > 4_294_967_295:
+            raise HandshakeError(400, "invalid_seed", "seed must be an integer in 0..4294967295")
+        seed = int(q["seed"]) % 2**31
+    language = q.get("language_code") or None
+    if language is not None and (len(language) > 16 or not re.fullmatch(r"[A-Za-z0-9-]+", language)):
+        raise HandshakeError(400, "invalid_language_code", "language_code must be a language tag")
+    return Options(voice_id, speaker, fmt, language, seed)
+
+
+def _json(obj: dict[str, Any]) -> str:
+    return orjson.dumps(obj).decode()
+
+
+def error_frame(error: str, message: str, code: int = 1008) -> str:
+    """ElevenLabs' in-band error message."""
+    return _json({"message": message, "error": error, "code": code})
+
+
+class ElevenLabsTranslator:
+    """One ``stream-input`` connection (see the module docstring).
+
+    ``check_key``: when set, the first message must carry a valid ``xi_api_key`` (or
+    ``authorization: Bearer``); the handshake had no valid key."""
+
+    def __init__(self, options: Options, check_key: Callable[[str], bool] | None = None) -> None:
+        self.options = options
+        self.check_key = check_key
+        self.encoder = Encoder(options.fmt)
+        self.turns = Turns()
+        self.initialized = False
+        self.ended = False
+
+    def opening(self) -> Step:
+        o = self.options
+        start: dict[str, Any] = {"type": P.ClientType.SESSION_START.value, "sample_rate": o.fmt.session_rate_hz,
+                                 "format": P.AudioFormat.PCM16.value}
+        if o.speaker is not None:
+            start["voice"] = o.speaker
+        if o.language:
+            start["language"] = o.language
+        if o.seed is not None:
+            start["options"] = {"seed": o.seed}
+        return Step(to_session=[start])
+
+    # ---- client -> session ------------------------------------------------------------------
+
+    def on_client(self, data: str | bytes) -> Step:
+        if isinstance(data, bytes):
+            return Step(to_client=[error_frame("invalid_message", "binary messages are not accepted")])
+        try:
+            msg = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return Step(to_client=[error_frame("invalid_message", "message is not valid JSON")])
+        if not isinstance(msg, dict) or not isinstance(msg.get("text"), str):
+            return Step(to_client=[error_frame("invalid_message", 'every message needs a string "text"')])
+        if self.ended:
+            return Step(to_client=[error_frame("invalid_message", "text after the end of input is ignored")])
+        step = Step()
+        if not self.initialized:
+            self.initialized = True
+            if self.check_key is not None and not self.check_key(_first_message_key(msg)):
+                return Step(to_client=[error_frame("auth_error", "invalid or missing API key")],
+                            close=(1008, "invalid api key"))
+            problem = _check_voice_settings(msg.get("voice_settings"))
+            if problem:
+                return Step(to_client=[error_frame("invalid_voice_settings", problem)], close=(1008, problem))
+            if not msg["text"].strip():
+                return step  # the initial " "
+        text: str = msg["text"]
+        if text == "":
+            self.ended = True
+            return Step(to_session=self.turns.boundary("final"))
+        step.to_session += self.turns.delta(text)
+        if msg.get("flush") is True:
+            step.to_session.append({"type": P.ClientType.TEXT_FLUSH.value})
+        return step
+
+    # ---- session -> client ------------------------------------------------------------------
+
+    def on_server_audio(self, header: P.AudioFrameHeader, pcm16: bytes) -> Step:
+        data = self.encoder.encode(pcm16)
+        n = len(pcm16) // 2
+        if not data:
+            return Step(delivered_samples=n)
+        return Step(to_client=[self._audio(data)], delivered_samples=n)
+
+    def _audio(self, data: bytes) -> str:
+        return _json({"audio": base64.b64encode(data).decode(), "isFinal": False,
+                      "normalizedAlignment": None, "alignment": None})
+
+    def on_server_message(self, msg: dict[str, Any]) -> Step:
+        step = Step()
+        if msg.get("type") == P.ServerType.ERROR.value:
+            step.to_client.append(error_frame(str(msg.get("code", "error")), str(msg.get("message", "")),
+                                              1011 if msg.get("fatal") else 1008))
+        for tag, _status in self.turns.on_server_message(msg):
+            tail = self.encoder.flush()
+            if tail:
+                step.to_client.append(self._audio(tail))
+            if tag == "final":
+                step.to_client.append(_json({"isFinal": True}))
+                step.close = (1000, "")
+        return step
+
+    def on_server_close(self, code: int, reason: str) -> Step:
+        return Step(close=(code, reason))
+
+
+def _first_message_key(msg: dict[str, Any]) -> str:
+    for k in ("xi_api_key", "xi-api-key"):
+        v = msg.get(k)
+        if isinstance(v, str) and v:
+            return v
+    auth = msg.get("authorization")
+    if isinstance(auth, str) and auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return ""
+
+
+def _check_voice_settings(vs: Any) -> str | None:
+    """voice_settings are accepted and ignored, except a speed other than 1.0 (not supported)."""
+    if vs is None:
+        return None
+    if not isinstance(vs, dict):
+        return "voice_settings must be an object"
+    speed = vs.get("speed")
+    if speed is not None and (not isinstance(speed, (int, float)) or not math.isclose(float(speed), 1.0)):
+        return "voice_settings.speed other than 1.0 is not supported by this server"
+    return None

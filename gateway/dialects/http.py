@@ -1,0 +1,421 @@
+"""HTTP requests with a body on the gateway's port: ``POST /v1/audio/speech`` (OpenAI dialect).
+
+websockets' HTTP layer reads only GET requests without a body, and answers with one complete
+response (``process_request``): it can neither read a JSON body nor stream audio back. So the
+listening socket's connections are sniffed first (``front_connection``, the ``create_connection``
+factory handed to ``websockets.serve``): a request line starting ``GET `` (WebSocket upgrades, the
+demo page, /healthz, /metrics: everything as before) goes on to websockets untouched; any other
+method is taken off websockets' hands (``transport.set_protocol``) and served here with h11, one
+request per connection (``Connection: close``), the response streamed with chunked transfer
+encoding.
+
+A speech request runs as a session of the gateway (``server._handler``), like a WebSocket client:
+``HttpExchange`` is the duck-typed connection ``server._Connection`` drives, and
+``openai.SpeechResponder`` turns the session's audio into the response body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import email.utils
+import http
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import parse_qs, urlsplit
+
+import h11
+import orjson
+from websockets.asyncio.server import ServerConnection
+from websockets.protocol import State
+
+from gateway import protocol as P
+from gateway.dialects import openai
+from gateway.dialects.base import token_matches
+from gateway.dialects.socket import Inbox
+
+if TYPE_CHECKING:
+    from gateway.server import GatewayServer
+
+log = logging.getLogger("voicegw.dialects.http")
+
+_MAX_HEAD_BYTES: Final = 16 * 1024
+_SNIFF_BYTES: Final = 8
+"""The longest method we route ("OPTIONS " is 8 bytes)."""
+
+
+def classify(head: bytes) -> str | None:
+    """``"ws"`` (leave to websockets), ``"http"`` (serve here) or None (need more bytes)."""
+    sp = head.find(b" ", 0, _SNIFF_BYTES + 1)
+    if sp == -1:
+        if len(head) > _SNIFF_BYTES or not head.isalpha():
+            return "ws"  # not a method we serve: websockets answers it as before
+        return None
+    method = head[:sp]
+    if method == b"GET" or not (method.isalpha() and method.isupper()):
+        return "ws"
+    return "http"
+
+
+def front_connection(server: GatewayServer) -> type[ServerConnection]:
+    """A ``ServerConnection`` subclass that hands non-GET requests to ``HttpExchangeProtocol``."""
+
+    open_timeout_s = server.config.gateway.open_timeout_s
+
+    class FrontConnection(ServerConnection):
+        _sniffing = True
+        _diverted = False
+        _sniffed = b""
+        _raw: asyncio.Transport | None = None
+        _timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            # websockets starts its handshake task in connection_made: wait until the request line
+            # says the connection is for websockets
+            self._raw = transport  # type: ignore[assignment]
+            self._timer = self.loop.call_later(open_timeout_s, transport.abort)  # type: ignore[attr-defined]
+
+        def data_received(self, data: bytes) -> None:
+            if not self._sniffing:
+                super().data_received(data)
+                return
+            self._sniffed += data
+            kind = classify(self._sniffed)
+            if kind is None:
+                return
+            self._sniffing = False
+            if self._timer is not None:
+                self._timer.cancel()
+            buf, self._sniffed = self._sniffed, b""
+            transport = self._raw
+            assert transport is not None
+            if kind == "ws":
+                super().connection_made(transport)
+                super().data_received(buf)
+                return
+            self._diverted = True
+            proto = HttpExchangeProtocol(server)
+            transport.set_protocol(proto)
+            proto.connection_made(transport)
+            proto.data_received(buf)
+
+        def eof_received(self) -> None:
+            if self._sniffing:
+                return None  # the transport closes itself
+            super().eof_received()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._sniffing or self._diverted:
+                if self._timer is not None:
+                    self._timer.cancel()
+                return
+            super().connection_lost(exc)
+
+    return FrontConnection
+
+
+def _date() -> str:
+    return email.utils.formatdate(usegmt=True)
+
+
+class HttpExchangeProtocol(asyncio.Protocol):
+    """One HTTP/1.1 request on a diverted connection."""
+
+    def __init__(self, server: GatewayServer) -> None:
+        self.server = server
+        self.loop = asyncio.get_running_loop()
+        lim = server.config.limits
+        self.max_body_bytes = max(lim.max_message_bytes, 4 * lim.max_utterance_chars + 4096)
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD_BYTES)
+        self.transport: asyncio.Transport | None = None
+        self.request: h11.Request | None = None
+        self.body = bytearray()
+        self.lost = False
+        self.closed = asyncio.Event()
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+        self._timer: asyncio.TimerHandle | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.exchange: HttpExchange | None = None
+
+    # ---- asyncio.Protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        g = self.server.config.gateway
+        self.transport.set_write_buffer_limits(high=g.write_limit_bytes)  # type: ignore[union-attr]
+        self._timer = self.loop.call_later(g.open_timeout_s, self._request_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        if self.task is not None:
+            return  # one request per connection: anything after the body is ignored
+        try:
+            self.h11.receive_data(data)
+            self._next_events()
+        except h11.RemoteProtocolError as exc:
+            self._respond_now(_text_error(exc.error_status_hint, "bad request"))
+
+    def eof_received(self) -> bool | None:
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.closed.set()
+        self._can_write.set()
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.exchange is not None:
+            self.exchange.on_lost()
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+
+    # ---- request ------------------------------------------------------------------------------
+
+    def _next_events(self) -> None:
+        while self.task is None and not self.lost:
+            event = self.h11.next_event()
+            if event is h11.NEED_DATA or event is h11.PAUSED:
+                return
+            if isinstance(event, h11.Request):
+                self.request = event
+                refusal = self._check_head(event)
+                if refusal is not None:
+                    self._respond_now(refusal)
+                    return
+                if self.h11.they_are_waiting_for_100_continue:
+                    self._write(self.h11.send(h11.InformationalResponse(status_code=100, headers=[])))
+            elif isinstance(event, h11.Data):
+                self.body += event.data
+                if len(self.body) > self.max_body_bytes:
+                    self._respond_now(_too_large(self.max_body_bytes))
+                    return
+            elif isinstance(event, h11.EndOfMessage):
+                if self._timer is not None:
+                    self._timer.cancel()
+                self.task = self.loop.create_task(self._serve())
+                return
+            elif isinstance(event, h11.ConnectionClosed):
+                return
+
+    def _check_head(self, req: h11.Request) -> openai.ApiError | _Plain | None:
+        target = req.target.decode("ascii", "replace")
+        parts = urlsplit(target)
+        method = req.method.decode("ascii", "replace")
+        if parts.path != openai.PATH:
+            if parts.path.startswith("/v1/"):
+                return openai.ApiError(404, f"Invalid URL ({method} {parts.path})")
+            return _Plain(405, "method not allowed", (("Allow", "GET"),))
+        if method != "POST":
+            return openai.ApiError(405, f"Method {method} is not allowed on {openai.PATH}; use POST.",
+                                   headers=(("Allow", "POST"),))
+        length = _header(req, b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            return _too_large(self.max_body_bytes)
+        if self.server.draining:
+            self.server.metrics.rejected.labels("shutdown").inc()
+            return openai.ApiError(503, "server is shutting down", "server_error", None, "shutting_down",
+                                   (("Retry-After", "5"),))
+        tokens = self.server.config.gateway.auth_tokens
+        if tokens:
+            candidates = parse_qs(parts.query).get("token", [])
+            auth = _header(req, b"authorization") or ""
+            if auth[:7].lower() == "bearer ":
+                candidates.append(auth[7:].strip())
+            if not token_matches(candidates, tokens):
+                self.server.metrics.rejected.labels("auth").inc()
+                return openai.ApiError(401, "Incorrect API key provided.", "invalid_request_error", None,
+                                       "invalid_api_key", (("WWW-Authenticate", 'Bearer realm="voicegw"'),))
+        return None
+
+    def _request_timeout(self) -> None:
+        self._timer = None
+        if self.task is None and not self.lost:
+            self._respond_now(openai.ApiError(408, "request not received in time", code="request_timeout"))
+
+    async def _serve(self) -> None:
+        try:
+            body = openai.parse_body(bytes(self.body), max_input_chars=self.server.config.limits.max_utterance_chars)
+        except openai.ApiError as err:
+            self._respond_now(err)
+            return
+        exchange = self.exchange = HttpExchange(self, openai.SpeechResponder(body))
+        try:
+            await self.server._handler(exchange)  # type: ignore[arg-type]
+        except Exception:
+            log.exception("speech request failed")
+        finally:
+            exchange.finish(abort=not exchange.done)
+
+    # ---- response -----------------------------------------------------------------------------
+
+    def _write(self, data: bytes) -> None:
+        if data and self.transport is not None and not self.lost:
+            self.transport.write(data)
+
+    async def drain(self) -> None:
+        await self._can_write.wait()
+
+    def send_head(self, status: int, headers: tuple[tuple[str, str], ...], length: int | None = None) -> None:
+        hdrs = [("Date", _date()), ("Server", "voicegw"), ("Connection", "close"),
+                ("X-Content-Type-Options", "nosniff"), *headers]
+        if length is not None:
+            hdrs.append(("Content-Length", str(length)))
+        reason = http.HTTPStatus(status).phrase.encode() if status in http.HTTPStatus._value2member_map_ else b""
+        self._write(self.h11.send(h11.Response(status_code=status, headers=hdrs, reason=reason)))
+
+    def send_body(self, data: bytes) -> None:
+        self._write(self.h11.send(h11.Data(data=data)))
+
+    def end(self) -> None:
+        self._write(self.h11.send(h11.EndOfMessage()))
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _respond_now(self, err: openai.ApiError | _Plain) -> None:
+        """A complete response outside a session (refusals), then close."""
+        if self._timer is not None:
+            self._timer.cancel()
+        try:
+            body = err.body()
+            ctype = "application/json" if isinstance(err, openai.ApiError) else "text/plain; charset=utf-8"
+            self.send_head(err.status, (("Content-Type", ctype), *err.headers), len(body))
+            self.send_body(body)
+            self.end()
+        except h11.LocalProtocolError:
+            self.abort()
+
+
+class _Plain:
+    def __init__(self, status: int, text: str, headers: tuple[tuple[str, str], ...] = ()) -> None:
+        self.status = status
+        self.text = text
+        self.headers = headers
+
+    def body(self) -> bytes:
+        return (self.text + "\n").encode()
+
+
+def _text_error(status: int, text: str) -> _Plain:
+    return _Plain(status if 400 <= status < 600 else 400, text)
+
+
+def _too_large(limit: int) -> openai.ApiError:
+    return openai.ApiError(413, f"request body over {limit} bytes", code="request_too_large")
+
+
+def _header(req: h11.Request, name: bytes) -> str | None:
+    for k, v in req.headers:
+        if k == name:
+            return v.decode("latin-1")
+    return None
+
+
+class HttpExchange:
+    """Looks like a ``ServerConnection`` to ``server._Connection``; answers one speech request."""
+
+    def __init__(self, proto: HttpExchangeProtocol, responder: openai.SpeechResponder,
+                 report_interval_s: float = 0.1) -> None:
+        self.proto = proto
+        self.responder = responder
+        self.report_interval_s = report_interval_s
+        self.done = False
+        self._inbox: Inbox | None = None
+        self._lost_early = False
+        self._close_code: int | None = None
+        self._delivered = 0
+
+    @property
+    def transport(self) -> Any:
+        return self.proto.transport
+
+    @property
+    def remote_address(self) -> Any:
+        t = self.proto.transport
+        return t.get_extra_info("peername") if t is not None else None
+
+    @property
+    def close_code(self) -> int | None:
+        return self._close_code
+
+    @property
+    def state(self) -> State:
+        return State.CLOSED if self.done or self.proto.lost else State.OPEN
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._messages()
+
+    async def _messages(self) -> AsyncIterator[str]:
+        inbox = self._inbox = Inbox(cap=8, report_interval_s=self.report_interval_s)
+        for m in self.responder.opening():
+            inbox.put_nowait(orjson.dumps(m).decode())
+        if self._lost_early or self.proto.lost:
+            inbox.end()
+        while (item := await inbox.get()) is not None:
+            yield item
+
+    def on_lost(self) -> None:
+        if not self.done:
+            self._close_code = self._close_code or 1006
+        if self._inbox is not None:
+            self._inbox.end()
+        else:
+            self._lost_early = True
+
+    async def send(self, data: str | bytes, text: bool | None = None) -> None:
+        if isinstance(data, str) or text:
+            outs = self.responder.on_server_message(orjson.loads(data))
+        else:
+            header, payload = P.unpack_audio_frame(data)
+            outs = self.responder.on_server_audio(header, payload)
+            self._delivered += len(payload) // 2
+        await self._emit(outs)
+        if self._inbox is not None and not self.done:
+            self._inbox.report(self._delivered)
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        if self._close_code is None:
+            self._close_code = code
+        await self._emit(self.responder.on_server_close(code, reason))
+        self.finish(abort=not self.done)
+
+    async def _emit(self, outs: list[openai.HttpOut]) -> None:
+        p = self.proto
+        for o in outs:
+            if self.done:
+                return
+            if isinstance(o, openai.Head):
+                p.send_head(o.status, o.headers)
+            elif isinstance(o, openai.Body):
+                p.send_body(o.data)
+                await p.drain()
+            elif isinstance(o, openai.End):
+                p.end()
+                self._finished(1000)
+            elif isinstance(o, openai.Abort):
+                p.abort()
+                self._finished(1011)
+
+    def _finished(self, code: int) -> None:
+        self.done = True
+        if self._close_code is None:
+            self._close_code = code
+        if self._inbox is not None:
+            self._inbox.end()
+        else:
+            self._lost_early = True
+
+    def finish(self, abort: bool) -> None:
+        """The session is over: make sure the connection is too."""
+        if not self.done:
+            self._finished(1011 if abort else 1000)
+            with contextlib.suppress(Exception):
+                self.proto.abort() if abort else self.proto.end()

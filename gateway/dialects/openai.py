@@ -1,0 +1,261 @@
+"""OpenAI's speech endpoint (``POST /v1/audio/speech``) over a native session (pure).
+
+``parse_body`` validates the JSON body (OpenAI's fields; errors in OpenAI's shape, ``ApiError``).
+``SpeechResponder`` runs one request: it opens the native session (``session.start``, the input as
+one ``text.delta``, ``text.end``) and turns the session's audio into the HTTP response as it comes:
+raw PCM, a WAV stream, or server-sent events (``stream_format: "sse"``). The response head waits
+for the first audio (or the utterance's end), so a request the engine refuses still gets a proper
+HTTP error; once audio has been sent, a failure can only cut the stream short (``Abort``).
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from dataclasses import dataclass
+from typing import Any, Final
+
+import orjson
+
+from gateway import protocol as P
+from gateway.dialects import voices
+from gateway.dialects.audio import wav_stream_header
+
+PATH: Final = "/v1/audio/speech"
+RATE_HZ: Final = 24_000
+"""OpenAI's pcm and wav are 24 kHz, 16-bit, mono."""
+RESPONSE_FORMATS: Final = ("pcm", "wav")
+UNSUPPORTED_FORMATS: Final = ("mp3", "opus", "aac", "flac")
+STREAM_FORMATS: Final = ("audio", "sse")
+IGNORED_FIELDS: Final = ("instructions",)
+SAMPLES_PER_TOKEN: Final = 512
+"""``usage.output_tokens`` counts ChatTTS steps: 512 samples of 24 kHz audio each."""
+
+
+class ApiError(Exception):
+    """An OpenAI-shaped error response."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> bytes:
+        return orjson.dumps({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.code}})
+
+
+@dataclass(frozen=True)
+class SpeechBody:
+    model: str
+    input: str
+    voice: str
+    speaker: voices.Speaker
+    response_format: str
+    stream_format: str
+    speed: float
+
+
+def parse_body(raw: bytes, *, max_input_chars: int) -> SpeechBody:
+    """Validate a request body; raises ApiError (400)."""
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise ApiError(400, "We could not parse the JSON body of your request.", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
+    for name in ("model", "input", "voice"):
+        if name not in obj:
+            raise ApiError(400, f"Missing required parameter: '{name}'.", param=name,
+                           code="missing_required_parameter")
+    model, text = obj["model"], obj["input"]
+    if not isinstance(model, str) or not model or len(model) > 256:
+        raise ApiError(400, "'model' must be a non-empty string.", param="model", code="invalid_type")
+    if not isinstance(text, str):
+        raise ApiError(400, "'input' must be a string.", param="input", code="invalid_type")
+    if not text.strip():
+        raise ApiError(400, "'input' is empty.", param="input", code="invalid_value")
+    if len(text) > max_input_chars:
+        raise ApiError(400, f"'input' is longer than {max_input_chars} characters.", param="input",
+                       code="string_above_max_length")
+    voice_obj = obj["voice"]
+    if isinstance(voice_obj, dict) and isinstance(voice_obj.get("id"), str):
+        voice = voice_obj["id"]
+    elif isinstance(voice_obj, str):
+        voice = voice_obj
+    else:
+        raise ApiError(400, "'voice' must be a string or an object with a string 'id'.", param="voice",
+                       code="invalid_type")
+    try:
+        speaker = voices.openai_voice(voice)
+    except voices.UnknownVoice:
+        raise ApiError(400, f"Unknown voice {voice!r}. Supported: {', '.join(voices.OPENAI)}, a ChatTTS "
+                       "seed ('2222'), or 'default'.", param="voice", code="invalid_value") from None
+    fmt = obj.get("response_format", "mp3")
+    if fmt in UNSUPPORTED_FORMATS:
+        raise ApiError(400, f"response_format '{fmt}' is not supported by this server; use 'pcm' or 'wav'.",
+                       param="response_format", code="unsupported_value")
+    if fmt not in RESPONSE_FORMATS:
+        raise ApiError(400, "Invalid 'response_format': expected one of pcm, wav.",
+                       param="response_format", code="invalid_value")
+    stream_format = obj.get("stream_format", "audio")
+    if stream_format not in STREAM_FORMATS:
+        raise ApiError(400, "Invalid 'stream_format': expected 'audio' or 'sse'.", param="stream_format",
+                       code="invalid_value")
+    speed = obj.get("speed", 1.0)
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0.25 <= speed <= 4.0:
+        raise ApiError(400, "'speed' must be a number from 0.25 to 4.0.", param="speed", code="invalid_value")
+    if not math.isclose(float(speed), 1.0):
+        raise ApiError(400, "'speed' other than 1.0 is not supported by this server.", param="speed",
+                       code="unsupported_value")
+    instructions = obj.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise ApiError(400, "'instructions' must be a string.", param="instructions", code="invalid_type")
+    return SpeechBody(model, text, voice, speaker, fmt, stream_format, float(speed))
+
+
+# ---- the response ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Head:
+    status: int
+    headers: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Body:
+    data: bytes
+
+
+@dataclass(frozen=True)
+class End:
+    """The response is complete."""
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Cut the response short (the client sees a truncated body)."""
+
+
+HttpOut = Head | Body | End | Abort
+
+#: Native error codes -> HTTP status, OpenAI type (before any audio was sent).
+_ERRORS: Final[dict[str, tuple[int, str]]] = {
+    P.ErrorCode.TEXT_TOO_LONG.value: (400, "invalid_request_error"),
+    P.ErrorCode.RATE_LIMITED.value: (429, "rate_limit_error"),
+    P.ErrorCode.QUEUE_FULL.value: (429, "rate_limit_error"),
+    P.ErrorCode.SHUTTING_DOWN.value: (503, "server_error"),
+    P.ErrorCode.ENGINE_OVERLOADED.value: (503, "server_error"),
+    P.ErrorCode.ENGINE_ERROR.value: (500, "server_error"),
+    P.ErrorCode.ENGINE_UNAVAILABLE.value: (503, "server_error"),
+}
+_CLOSES: Final[dict[int, tuple[int, str]]] = {
+    int(P.CloseCode.GOING_AWAY): (503, "shutting_down"),
+    int(P.CloseCode.TRY_AGAIN_LATER): (503, "over_capacity"),
+    int(P.CloseCode.INTERNAL_ERROR): (500, "internal_error"),
+}
+
+
+def error_for_code(code: str) -> ApiError:
+    status, type_ = _ERRORS.get(code, (500, "server_error"))
+    known = {c.value: c for c in P.ErrorCode}
+    message = P.ERROR_MESSAGES[known[code]] if code in known else "internal error"
+    retry = (("Retry-After", "1"),) if status in (429, 503) else ()
+    return ApiError(status, message, type_, None, code, retry)
+
+
+def error_outputs(err: ApiError) -> list[HttpOut]:
+    return [Head(err.status, (("Content-Type", "application/json"), *err.headers)), Body(err.body()), End()]
+
+
+class SpeechResponder:
+    """One speech request over a native session (see the module docstring)."""
+
+    def __init__(self, body: SpeechBody) -> None:
+        self.body = body
+        self.sse = body.stream_format == "sse"
+        self.head_sent = False
+        self.finished = False
+        self.samples = 0
+
+    def opening(self) -> list[dict[str, Any]]:
+        start: dict[str, Any] = {"type": P.ClientType.SESSION_START.value, "sample_rate": RATE_HZ,
+                                 "format": P.AudioFormat.PCM16.value}
+        if self.body.speaker is not None:
+            start["voice"] = self.body.speaker
+        return [start,
+                {"type": P.ClientType.TEXT_DELTA.value, "text": self.body.input},
+                {"type": P.ClientType.TEXT_END.value}]
+
+    def _head(self) -> list[HttpOut]:
+        if self.head_sent:
+            return []
+        self.head_sent = True
+        if self.sse:
+            out: list[HttpOut] = [Head(200, (("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")))]
+        else:
+            ctype = "audio/wav" if self.body.response_format == "wav" else "audio/pcm"
+            out = [Head(200, (("Content-Type", ctype),))]
+        if self.body.response_format == "wav":
+            header = wav_stream_header(RATE_HZ)
+            out.append(Body(self._event_audio(header) if self.sse else header))
+        return out
+
+    def _event_audio(self, data: bytes) -> bytes:
+        return _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+
+    def on_server_audio(self, header: P.AudioFrameHeader, pcm16: bytes) -> list[HttpOut]:
+        if self.finished or not pcm16:
+            return []
+        self.samples += len(pcm16) // 2
+        out = self._head()
+        out.append(Body(self._event_audio(pcm16) if self.sse else pcm16))
+        return out
+
+    def on_server_message(self, msg: dict[str, Any]) -> list[HttpOut]:
+        if self.finished:
+            return []
+        mtype = msg.get("type")
+        if mtype == P.ServerType.UTTERANCE_DONE.value:
+            if msg.get("status") != P.UtteranceStatus.OK.value:
+                return self._fail(error_for_code(str(msg.get("error", "engine_error"))))
+            out = self._head()
+            if self.sse:
+                tokens_in = max(1, math.ceil(len(self.body.input) / 4))
+                tokens_out = math.ceil(self.samples / SAMPLES_PER_TOKEN)
+                out.append(Body(_sse({"type": "speech.audio.done", "usage": {
+                    "input_tokens": tokens_in, "output_tokens": tokens_out,
+                    "total_tokens": tokens_in + tokens_out}})))
+            self.finished = True
+            out.append(End())
+            return out
+        if mtype == P.ServerType.ERROR.value and (msg.get("fatal") or "utterance_id" not in msg):
+            return self._fail(error_for_code(str(msg.get("code", "internal_error"))))
+        return []  # session.started, segment.*, non-fatal errors about the utterance (done follows)
+
+    def on_server_close(self, code: int, reason: str) -> list[HttpOut]:
+        if self.finished:
+            return []
+        status, ecode = _CLOSES.get(code, (500, "internal_error"))
+        retry = (("Retry-After", "1"),) if status == 503 else ()
+        return self._fail(ApiError(status, reason or "the request was stopped", "server_error", None, ecode, retry))
+
+    def _fail(self, err: ApiError) -> list[HttpOut]:
+        self.finished = True
+        if not self.head_sent:
+            self.head_sent = True
+            return error_outputs(err)
+        if self.sse:
+            return [Body(_sse({"type": "error", "error": orjson.loads(err.body())["error"]})), End()]
+        return [Abort()]
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"

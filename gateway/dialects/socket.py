@@ -1,0 +1,202 @@
+"""I/O edge of the WebSocket dialects: a duck-typed stand-in for the ``ServerConnection`` that
+``gateway/server.py`` drives, speaking a dialect on the real connection.
+
+``server._Connection`` runs the native session over this object exactly as over a native client:
+it iterates it for client frames and calls ``send``/``close``. Here, client frames go through the
+translator into native messages (``__aiter__``), and the session's frames through the translator
+into dialect frames (``send``). So the dialects share the native session core, engine,
+scheduler, limits, flow control and metrics; nothing here decides anything.
+
+Flow control: dialect clients do not report playback. The session is told the client "played"
+what has been handed to the socket (a ``playback`` report after each send, at most every
+``report_interval_s``): audio goes out as fast as the engine makes it and the client reads it, and
+when the client stops reading, ``send`` blocks (websockets' write limit), reports stop, the flow
+window fills and the engine is no longer pulled. A client that stops reading altogether is closed
+by the native slow-reader rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+from websockets.protocol import State
+
+from gateway import protocol as P
+from gateway.dialects.base import Step, Translator
+
+_CLOSE_WAIT_S = 2.0
+
+
+class Inbox:
+    """Native messages for the session: the client's (bounded, ``put`` waits for room), plus one
+    coalesced ``playback`` report, sent at most every ``report_interval_s``."""
+
+    def __init__(self, cap: int = 16, report_interval_s: float = 0.1) -> None:
+        self.cap = cap
+        self.report_interval_s = report_interval_s
+        self._items: deque[str] = deque()
+        self._ready = asyncio.Event()
+        self._space = asyncio.Event()
+        self._report: int | None = None
+        self._reported = -1
+        self._last_report_s = -1e9
+        self._ended = False
+        self._loop = asyncio.get_running_loop()
+
+    def put_nowait(self, item: str) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    async def put(self, item: str) -> None:
+        while len(self._items) >= self.cap and not self._ended:
+            self._space.clear()
+            await self._space.wait()
+        if not self._ended:
+            self.put_nowait(item)
+
+    def report(self, played_samples: int) -> None:
+        if played_samples != self._reported:
+            self._report = played_samples
+            self._ready.set()
+
+    def end(self) -> None:
+        self._ended = True
+        self._ready.set()
+        self._space.set()
+
+    async def get(self) -> str | None:
+        """The next message; None once ended (pending client messages first)."""
+        while True:
+            if self._items:
+                item = self._items.popleft()
+                self._space.set()
+                return item
+            if self._ended:
+                return None
+            timeout: float | None = None
+            if self._report is not None:
+                wait = self._last_report_s + self.report_interval_s - self._loop.time()
+                if wait <= 0:
+                    played, self._report = self._report, None
+                    self._reported = played
+                    self._last_report_s = self._loop.time()
+                    return orjson.dumps({"type": P.ClientType.PLAYBACK.value, "played_samples": played}).decode()
+                timeout = wait
+            self._ready.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._ready.wait()
+
+
+class DialectSocket:
+    """Looks like a ``ServerConnection`` to ``server._Connection``; speaks a dialect on ``ws``."""
+
+    def __init__(self, ws: ServerConnection, translator: Translator, *, report_interval_s: float = 0.1,
+                 inbox_cap: int = 16) -> None:
+        self.ws = ws
+        self.translator = translator
+        self.report_interval_s = report_interval_s
+        self.inbox_cap = inbox_cap
+        self._inbox: Inbox | None = None
+        self._delivered = 0
+        self._close_task: asyncio.Task[None] | None = None
+
+    # ---- what _Connection uses of a ServerConnection -----------------------------------------
+
+    @property
+    def transport(self) -> Any:
+        return self.ws.transport
+
+    @property
+    def remote_address(self) -> Any:
+        return self.ws.remote_address
+
+    @property
+    def close_code(self) -> int | None:
+        return self.ws.close_code
+
+    @property
+    def state(self) -> State:
+        return self.ws.state
+
+    @property
+    def request(self) -> Any:
+        return self.ws.request
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._messages()
+
+    async def _messages(self) -> AsyncIterator[str]:
+        inbox = self._inbox = Inbox(self.inbox_cap, self.report_interval_s)
+        opening = self.translator.opening()
+        for m in opening.to_session:
+            inbox.put_nowait(orjson.dumps(m).decode())
+        reader = asyncio.create_task(self._read(inbox, opening))
+        try:
+            while (item := await inbox.get()) is not None:
+                yield item
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+
+    async def _read(self, inbox: Inbox, opening: Step) -> None:
+        try:
+            await self._carry(Step(to_client=opening.to_client, close=opening.close))
+            async for message in self.ws:
+                await self._carry(self.translator.on_client(message))
+        except ConnectionClosed:
+            pass
+        finally:
+            inbox.end()
+
+    async def send(self, data: str | bytes, text: bool | None = None) -> None:
+        if isinstance(data, str) or text:
+            step = self.translator.on_server_message(orjson.loads(data))
+        else:
+            header, payload = P.unpack_audio_frame(data)
+            step = self.translator.on_server_audio(header, payload)
+        await self._carry(step)
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        step = self.translator.on_server_close(code, reason)
+        if step.close is None:
+            step.close = (code, reason)
+        await self._carry(step)
+        if self._close_task is not None:
+            await asyncio.shield(self._close_task)
+
+    # ---- carrying out a step ------------------------------------------------------------------
+
+    async def _carry(self, step: Step) -> None:
+        if self._close_task is not None:
+            return
+        inbox = self._inbox
+        for m in step.to_session:
+            if inbox is not None:
+                await inbox.put(orjson.dumps(m).decode())
+        for frame in step.to_client:
+            await self.ws.send(frame)
+        if step.delivered_samples:
+            self._delivered += step.delivered_samples
+            if inbox is not None:
+                inbox.report(self._delivered)
+        if step.close is not None:
+            # in its own task: the caller may be cancelled once the connection is gone
+            self._close_task = asyncio.create_task(self._close(*step.close))
+
+    async def _close(self, code: int, reason: str) -> None:
+        try:
+            async with asyncio.timeout(_CLOSE_WAIT_S):
+                await self.ws.close(code, reason)
+        except (TimeoutError, ConnectionClosed):
+            pass
+        if self.ws.state is not State.CLOSED:
+            self.ws.transport.abort()

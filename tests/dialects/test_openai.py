@@ -1,0 +1,163 @@
+"""POST /v1/audio/speech driven by the official ``openai`` SDK (unmodified, base_url pointed at
+the gateway)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import time
+import wave
+
+import httpx
+import openai
+import orjson
+import pytest
+from openai import AsyncOpenAI
+from websockets.asyncio.client import connect
+
+from gateway import protocol as P
+from tests.dialects.conftest import CountingEngine
+from tests.gateway.conftest import GatewayFactory, wait_until
+from tests.gateway.fakes import FakeSpeechEngine
+
+TEXT = "Hello there. This is the gateway speaking through the OpenAI dialect, sentence by sentence."
+
+
+def _client(server, api_key: str = "sk-test") -> AsyncOpenAI:  # type: ignore[no-untyped-def]
+    return AsyncOpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=30)
+
+
+async def test_pcm_streams_as_synthesised(counting_engine: CountingEngine, make_gateway: GatewayFactory):
+    async with make_gateway(counting_engine) as server:
+        client = _client(server)
+        chunks: list[tuple[float, int]] = []
+        async with client.audio.speech.with_streaming_response.create(
+            model="tts-1", voice="alloy", input=TEXT, response_format="pcm"
+        ) as resp:
+            assert resp.status_code == 200
+            assert resp.headers["content-type"] == "audio/pcm"
+            assert resp.headers["transfer-encoding"] == "chunked"
+            data = b""
+            async for chunk in resp.iter_bytes():
+                chunks.append((time.monotonic(), len(chunk)))
+                data += chunk
+        assert len(data) == 2 * counting_engine.total_samples > 0
+        assert counting_engine.rates == {24_000}
+        assert {r.speaker for r in counting_engine.requests} == {2222}
+        assert len(counting_engine.requests) >= 2  # segmented like a native utterance
+        # streamed: the first audio arrived before the engine made the last of it
+        assert chunks[0][0] < counting_engine.last_chunk_s
+        if isinstance(counting_engine.inner, FakeSpeechEngine):
+            assert counting_engine.total_samples == sum(
+                counting_engine.inner.expected_samples(r.text, 24_000) for r in counting_engine.requests)
+        assert await wait_until(lambda: counting_engine.health().running_requests == 0)
+
+
+async def test_wav_and_sse(counting_engine: CountingEngine, make_gateway: GatewayFactory):
+    async with make_gateway(counting_engine) as server:
+        client = _client(server)
+        async with client.audio.speech.with_streaming_response.create(
+            model="gpt-4o-mini-tts", voice={"id": "nova"}, input="A short wave file.", response_format="wav",
+            instructions="cheerful",
+        ) as resp:
+            assert resp.headers["content-type"] == "audio/wav"
+            wav_bytes = await resp.read()
+        with wave.open(io.BytesIO(wav_bytes)) as w:
+            assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24_000, 1, 2)
+            frames = w.readframes(10**9)
+        assert len(frames) == 2 * counting_engine.total_samples > 0
+
+        before = counting_engine.total_samples
+        async with client.audio.speech.with_streaming_response.create(
+            model="gpt-4o-mini-tts", voice="7869", input="Events, please.", response_format="pcm",
+            stream_format="sse",
+        ) as resp:
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            events = [orjson.loads(line[6:]) async for line in resp.iter_lines() if line.startswith("data: ")]
+        assert [e["type"] for e in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1)
+        audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+        assert len(audio) == 2 * (counting_engine.total_samples - before) > 0
+        done = events[-1]
+        assert done["type"] == "speech.audio.done"
+        assert done["usage"]["total_tokens"] == done["usage"]["input_tokens"] + done["usage"]["output_tokens"]
+        assert counting_engine.requests[-1].speaker == 7869
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param", "code"),
+    [
+        ({"voice": "nobody"}, "voice", "invalid_value"),
+        ({"response_format": "mp3"}, "response_format", "unsupported_value"),
+        ({"speed": 1.5}, "speed", "unsupported_value"),
+        ({"speed": 9.0}, "speed", "invalid_value"),
+        ({"input": "   "}, "input", "invalid_value"),
+        ({"stream_format": "chunks"}, "stream_format", "invalid_value"),
+    ],
+)
+async def test_request_errors_in_openai_shape(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory,
+                                              kwargs: dict, param: str, code: str):
+    async with make_gateway(fake_engine) as server:
+        args = {"model": "tts-1", "voice": "alloy", "input": "Hi.", "response_format": "pcm", **kwargs}
+        with pytest.raises(openai.BadRequestError) as exc:
+            await _client(server).audio.speech.create(**args)
+        err = exc.value.body
+        assert isinstance(err, dict)
+        assert err["param"] == param and err["code"] == code and err["type"] == "invalid_request_error"
+        assert isinstance(err["message"], str) and err["message"]
+        assert fake_engine.requests == []
+
+
+async def test_auth_overload_and_limits(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
+    async with make_gateway(fake_engine, gateway={"auth_tokens": ("s3cret",)},
+                            limits={"max_utterance_chars": 50}) as server:
+        with pytest.raises(openai.AuthenticationError) as exc:
+            await _client(server, "wrong").audio.speech.create(model="tts-1", voice="alloy", input="Hi.",
+                                                               response_format="pcm")
+        assert exc.value.body["code"] == "invalid_api_key"  # type: ignore[index]
+        ok = await _client(server, "s3cret").audio.speech.create(model="tts-1", voice="alloy", input="Hi there.",
+                                                                 response_format="pcm")
+        assert len(ok.content) == 2 * fake_engine.expected_samples("Hi there.", 24_000)
+        with pytest.raises(openai.InternalServerError) as exc5:
+            await _client(server, "s3cret").audio.speech.create(model="tts-1", voice="alloy",
+                                                                input="Too busy #OVERLOAD# now.",
+                                                                response_format="pcm")
+        assert exc5.value.status_code == 503 and exc5.value.body["code"] == "engine_overloaded"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError) as exc4:
+            await _client(server, "s3cret").audio.speech.create(model="tts-1", voice="alloy", input="x" * 51,
+                                                                response_format="pcm")
+        assert exc4.value.body["code"] == "string_above_max_length"  # type: ignore[index]
+        assert await wait_until(lambda: fake_engine.health().running_requests == 0)
+
+
+async def test_disconnect_mid_stream_aborts_engine(make_gateway: GatewayFactory):
+    slow = FakeSpeechEngine(speed=2.0)
+    async with make_gateway(slow) as server:
+        async with _client(server).audio.speech.with_streaming_response.create(
+            model="tts-1", voice="echo", input="This is a long answer. " * 20, response_format="pcm"
+        ) as resp:
+            async for _chunk in resp.iter_bytes():
+                break
+        assert await wait_until(lambda: slow.health().running_requests == 0, within_s=3)
+        assert slow.aborted
+
+
+async def test_same_port_still_serves_websocket_and_get(fake_engine: FakeSpeechEngine,
+                                                        make_gateway: GatewayFactory):
+    async with make_gateway(fake_engine) as server:
+        async with httpx.AsyncClient() as http:
+            assert (await http.get(server.url + "/healthz")).status_code == 200
+            r = await http.post(server.url + "/v1/chat/completions", json={})
+            assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+            r = await http.post(server.url + "/healthz", content=b"x")
+            assert r.status_code == 405
+            r = await http.get(server.url + "/v1/audio/speech")
+            assert r.status_code == 404
+            r = await http.post(server.url + "/v1/audio/speech", content=b"{not json")
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+            r = await http.post(server.url + "/v1/audio/speech", content=b"x" * 200_000)
+            assert r.status_code == 413
+        async with connect(server.ws_url, subprotocols=[P.SUBPROTOCOL], compression=None) as ws:  # type: ignore[list-item]
+            await ws.send(orjson.dumps({"type": "session.start"}).decode())
+            started = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+            assert started["type"] == "session.started"
