@@ -199,7 +199,7 @@ def _known_door_bug(path: str, origin: str | None) -> bool:
 _PATH_CHARS = string.ascii_letters + string.digits + "/.%?&=[]:@!$'()*+,;~-_"
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(
     path=st.one_of(st.just(P.WS_PATH), st.text(_PATH_CHARS, min_size=0, max_size=300).map(lambda s: "/" + s)),
     origin=st.one_of(st.none(), st.text(string.printable.strip() + " ", max_size=80),
