@@ -1,6 +1,6 @@
 """The ecosystem's TTS dialects on the gateway's port, as thin adapters onto protocol v1.
 
-* OpenAI ``POST /v1/audio/speech`` (``openai.py``, served by ``http.py``);
+* OpenAI ``POST /v1/audio/speech`` (``openai.py``, served by ``front.py``);
 * ElevenLabs ``/v1/text-to-speech/{voice_id}/stream-input`` WebSocket (``elevenlabs.py``);
 * Deepgram ``/v1/speak`` WebSocket (``deepgram.py``).
 
@@ -9,7 +9,7 @@ Every dialect connection runs one native session (``gateway/session.py``) throug
 ``gateway/server.py`` calls four hooks from here:
 
 * ``front_connection(server)``: the ``create_connection`` of ``websockets.serve`` (diverts
-  requests that are not GET to ``http.py``);
+  requests that are not GET to ``front.py``);
 * ``process_request(server, request)``: handshakes on paths other than ``/ws``;
 * ``select_subprotocol(conn, offered)``: Deepgram's ``token`` subprotocol (browser auth);
 * ``adapt(server, ws)``: wraps a dialect WebSocket so the native connection code can drive it.
@@ -31,7 +31,7 @@ from websockets.typing import Subprotocol
 from gateway import protocol as P
 from gateway.dialects import deepgram, elevenlabs
 from gateway.dialects.base import token_matches
-from gateway.dialects.http import HttpExchange, front_connection
+from gateway.dialects.front import HttpExchange, front_connection
 from gateway.dialects.socket import DialectSocket
 
 if TYPE_CHECKING:

@@ -161,3 +161,23 @@ async def test_same_port_still_serves_websocket_and_get(fake_engine: FakeSpeechE
             await ws.send(orjson.dumps({"type": "session.start"}).decode())
             started = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
             assert started["type"] == "session.started"
+
+
+async def test_graceful_shutdown_finishes_the_request(make_gateway: GatewayFactory):
+    engine = FakeSpeechEngine(speed=5.0)
+    async with make_gateway(engine) as server:
+        text = "One sentence first. And a second one after it."
+        async with _client(server).audio.speech.with_streaming_response.create(
+            model="tts-1", voice="onyx", input=text, response_format="pcm"
+        ) as resp:
+            it = resp.iter_bytes()
+            data = await anext(it)
+            stopping = asyncio.create_task(server.shutdown(grace_s=5.0))
+            async for chunk in it:
+                data += chunk
+            await stopping
+        assert len(data) == 2 * sum(engine.expected_samples(r.text, 24_000) for r in engine.requests)
+        # while draining, new requests are refused with OpenAI's shape
+        with pytest.raises((openai.InternalServerError, openai.APIConnectionError)):
+            await _client(server).audio.speech.create(model="tts-1", voice="onyx", input="Hi.",
+                                                      response_format="pcm")

@@ -1,0 +1,151 @@
+"""ElevenLabs ``stream-input`` WebSocket, driven by the official ``elevenlabs`` SDK (unmodified:
+only base_url and key changed) and, for what the SDK does not expose, by a plain WebSocket client
+speaking the published message schema."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from gateway.dialects.audio import alaw_decode
+from gateway.dialects.voices import ELEVENLABS
+from tests.dialects.conftest import CountingEngine
+from tests.dialects.tls import tls_front
+from tests.gateway.conftest import GatewayFactory, wait_until
+from tests.gateway.fakes import FakeSpeechEngine
+
+RACHEL = "21m00Tcm4TlvDq8ikWAM"
+CHUNKS = ["Hello ", "there, ", "this is ", "the gateway ", "speaking ", "through the ElevenLabs ",
+          "dialect. ", "It streams ", "as text ", "arrives."]
+
+
+@pytest.mark.parametrize("output_format,rate", [("pcm_24000", 24_000), ("pcm_16000", 16_000)])
+async def test_official_sdk_convert_realtime(counting_engine: CountingEngine, make_gateway: GatewayFactory,
+                                             tls_cert: Any, trust_cert: Any, output_format: str, rate: int):
+    from elevenlabs.client import ElevenLabs
+
+    async with make_gateway(counting_engine) as server, tls_front(server.port, *tls_cert) as tls_port:
+        # the SDK always speaks wss:// (it rewrites the base URL's scheme): TLS in front, as in production
+        client = ElevenLabs(api_key="xi-test", base_url=f"https://127.0.0.1:{tls_port}")
+
+        def run() -> bytes:
+            return b"".join(client.text_to_speech.convert_realtime(
+                voice_id=RACHEL, text=iter(CHUNKS), model_id="eleven_flash_v2_5", output_format=output_format))
+
+        audio = await asyncio.wait_for(asyncio.to_thread(run), 30)
+        assert len(audio) == 2 * counting_engine.total_samples > 0
+        assert counting_engine.rates == {rate}
+        assert {r.speaker for r in counting_engine.requests} == {ELEVENLABS[RACHEL][1]}
+        if isinstance(counting_engine.inner, FakeSpeechEngine):
+            assert counting_engine.total_samples == sum(
+                counting_engine.inner.expected_samples(r.text, rate) for r in counting_engine.requests)
+        assert await wait_until(lambda: counting_engine.health().running_requests == 0)
+
+
+async def _session(url: str, messages: list[dict[str, Any]], **kw: Any) -> tuple[list[dict[str, Any]], bytes, int]:
+    """Send ``messages``, read until the server closes: (messages received, audio, close code)."""
+    got: list[dict[str, Any]] = []
+    audio = b""
+    async with connect(url, compression=None, open_timeout=5, **kw) as ws:
+        for m in messages:
+            await ws.send(orjson.dumps(m).decode())
+        try:
+            while True:
+                msg = orjson.loads(await asyncio.wait_for(ws.recv(), 20))
+                got.append(msg)
+                if msg.get("audio"):
+                    audio += base64.b64decode(msg["audio"])
+        except ConnectionClosed:
+            pass
+    assert ws.close_code is not None
+    return got, audio, ws.close_code
+
+
+def _url(server: Any, voice: str = RACHEL, **query: str) -> str:
+    q = "&".join(f"{k}={v}" for k, v in query.items())
+    return f"{server.ws_url[:-3]}/v1/text-to-speech/{voice}/stream-input?{q}"
+
+
+@pytest.mark.parametrize("fmt,rate,bytes_per_sample", [
+    ("pcm_22050", 22_050, 2), ("pcm_44100", 44_100, 2), ("ulaw_8000", 8_000, 1), ("alaw_8000", 8_000, 1),
+])
+async def test_output_formats(counting_engine: CountingEngine, make_gateway: GatewayFactory,
+                              fmt: str, rate: int, bytes_per_sample: int):
+    async with make_gateway(counting_engine) as server:
+        msgs: list[dict[str, Any]] = [{"text": " ", "voice_settings": {"stability": 0.5, "similarity_boost": 0.8, "speed": 1.0}},
+                {"text": "Formats and rates, "}, {"text": "all of them."}, {"text": ""}]
+        got, audio, code = await _session(_url(server, output_format=fmt), msgs)
+        assert code == 1000 and got[-1] == {"isFinal": True}
+        session_rate = next(iter(counting_engine.rates))
+        expected = counting_engine.total_samples * rate / session_rate
+        assert abs(len(audio) / bytes_per_sample - expected) <= 2
+        if fmt == "alaw_8000" and isinstance(counting_engine.inner, FakeSpeechEngine):
+            pcm = alaw_decode(audio).astype(np.float64)
+            assert np.sqrt(np.mean(pcm**2)) > 1000  # the sine came through, not silence
+
+
+async def test_flush_speaks_before_the_end_and_final_closes(fake_engine: FakeSpeechEngine,
+                                                            make_gateway: GatewayFactory):
+    async with make_gateway(fake_engine) as server:
+        async with connect(_url(server, voice="seed-4242", output_format="pcm_24000")) as ws:
+            await ws.send(orjson.dumps({"text": " "}).decode())
+            await ws.send(orjson.dumps({"text": "no boundary here", "flush": True}).decode())
+            first = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+            assert first["audio"] and first["isFinal"] is False
+            await ws.send(orjson.dumps({"text": ""}).decode())
+            rest = []
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    rest.append(orjson.loads(await asyncio.wait_for(ws.recv(), 5)))
+            assert rest[-1] == {"isFinal": True} and ws.close_code == 1000
+        assert fake_engine.requests[0].speaker == 4242 and fake_engine.requests[0].text == "no boundary here"
+
+        # the end without any text: isFinal at once
+        got, audio, code = await _session(_url(server, output_format="pcm_16000"), [{"text": " "}, {"text": ""}])
+        assert got == [{"isFinal": True}] and audio == b"" and code == 1000
+
+
+async def test_handshake_errors_and_key_in_first_message(fake_engine: FakeSpeechEngine,
+                                                         make_gateway: GatewayFactory):
+    async with make_gateway(fake_engine, gateway={"auth_tokens": ("xi-s3cret",)}) as server:
+        with pytest.raises(InvalidStatus) as exc:
+            await connect(_url(server, voice="NoSuchVoice", output_format="pcm_24000"))
+        assert exc.value.response.status_code == 404
+        assert orjson.loads(exc.value.response.body)["detail"]["status"] == "voice_not_found"
+        with pytest.raises(InvalidStatus) as exc:
+            await connect(_url(server))  # default output_format is mp3
+        assert exc.value.response.status_code == 400
+        with pytest.raises(InvalidStatus) as exc:
+            await connect(_url(server, output_format="pcm_24000"), additional_headers={"xi-api-key": "wrong"})
+        assert exc.value.response.status_code == 401
+
+        # no key at the handshake: the first message must carry it
+        got, audio, code = await _session(_url(server, output_format="pcm_24000"),
+                                          [{"text": " ", "xi_api_key": "wrong"}, {"text": "Hello."}])
+        assert code == 1008 and got[0]["error"] == "auth_error" and audio == b""
+        got, audio, code = await _session(_url(server, output_format="pcm_24000"),
+                                          [{"text": " ", "xi_api_key": "xi-s3cret"}, {"text": "Hello."},
+                                           {"text": ""}])
+        assert code == 1000 and got[-1] == {"isFinal": True}
+        assert len(audio) == 2 * fake_engine.expected_samples("Hello.", 24_000)
+        got, audio, code = await _session(_url(server, output_format="pcm_24000"),
+                                          [{"text": " ", "voice_settings": {"speed": 1.2}}],
+                                          additional_headers={"xi-api-key": "xi-s3cret"})
+        assert code == 1008 and got[0]["error"] == "invalid_voice_settings"
+
+
+async def test_disconnect_aborts_engine(make_gateway: GatewayFactory):
+    slow = FakeSpeechEngine(speed=2.0)
+    async with make_gateway(slow) as server:
+        async with connect(_url(server, output_format="pcm_24000")) as ws:
+            await ws.send(orjson.dumps({"text": " "}).decode())
+            await ws.send(orjson.dumps({"text": "A long story begins. " * 10, "flush": True}).decode())
+            assert orjson.loads(await asyncio.wait_for(ws.recv(), 5))["audio"]
+        assert await wait_until(lambda: slow.health().running_requests == 0, within_s=3)
