@@ -163,5 +163,8 @@ def registry() -> BatchRegistry:
 
 
 def worker_stats(worker: Any = None) -> dict[str, int]:
-    """Counters of this worker process (``AsyncLLM.collective_rpc(worker_stats)``)."""
-    return dict(_REGISTRY.stats)
+    """Counters of this worker process, plus ``batch_size``: requests in the persistent batch
+    as of the last step (a finished request leaves it at the next step)."""
+    out = dict(_REGISTRY.stats)
+    out["batch_size"] = sum(1 for s in _REGISTRY.active() if s is not None)
+    return out
