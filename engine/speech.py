@@ -119,7 +119,7 @@ class ChatTTSSpeech:
         resampler = StreamResampler(NATIVE_SAMPLE_RATE_HZ, rate)
         policy = self.policy
         pending: list[np.ndarray] = []
-        received = decoded = 0
+        received = decoded = reported = 0
         frames_iter = self._code.generate(request)
         finished = False
         try:
@@ -135,15 +135,15 @@ class ChatTTSSpeech:
                 if not policy.ready(received, decoded, final):
                     continue
                 audio = await self._push(stream, pending, final, received)
-                steps = received - decoded
                 pending, decoded = [], received
                 pcm = self._encode(resampler, audio, last=final)
                 if final:
                     finished = True
-                    yield AudioChunk(rid, pcm, rate, finished=True, steps=steps)
+                    yield AudioChunk(rid, pcm, rate, finished=True, steps=received - reported)
                     return
                 if pcm:
-                    yield AudioChunk(rid, pcm, rate, steps=steps)
+                    yield AudioChunk(rid, pcm, rate, steps=received - reported)
+                    reported = received
             if aborted.is_set():
                 yield AudioChunk(rid, b"", rate, finished=True, steps=0)
                 finished = True
@@ -156,7 +156,7 @@ class ChatTTSSpeech:
                 else:
                     pcm = b""
                 finished = True
-                yield AudioChunk(rid, pcm, rate, finished=True, steps=received - decoded)
+                yield AudioChunk(rid, pcm, rate, finished=True, steps=received - reported)
         finally:
             stream.close()
             self._active.pop(rid, None)

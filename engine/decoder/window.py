@@ -318,9 +318,9 @@ class ChunkPolicy:
       later one when ``next_chunk_steps`` more are: the chunk size grows with the audio already
       emitted (``first, first, 2*first, ...``) up to ``chunk_steps``, so a client that started
       playing after the small first chunk is not starved while the chunks grow;
-    * meanwhile, once ``chunk_steps`` steps are pending, they are pushed anyway (``prewarm``):
-      the decoder computes each layer as far as its context allows, so the forward that makes
-      the first chunk due has little left to do.
+    * before the first audio, once ``chunk_steps`` steps are pending they are pushed anyway
+      (pre-decoding the context): the decoder computes each layer as far as its context allows,
+      so the forward that makes the first chunk due has little left to do.
     """
 
     first_chunk_steps: int
@@ -354,7 +354,9 @@ class ChunkPolicy:
         done = self.audible_steps(decoded_steps)
         if self.audible_steps(received_steps) - done >= self.next_chunk_steps(done):
             return True
-        return pending >= self.chunk_steps
+        # before the first audio: pre-decode the context (a push that would emit a chunk
+        # smaller than first_chunk_steps waits for the rule above instead)
+        return pending >= self.chunk_steps and self.audible_steps(received_steps) == 0
 
     def emit_steps(self, received_steps: int) -> int:
         """Steps of audio to emit after decoding ``received_steps`` (not final)."""

@@ -1,0 +1,531 @@
+"""Streaming decoder (engine.decoder): streamed == whole-sequence decode, batched == alone,
+both vocoding paths (codes -> DVAE, hidden states -> Decoder), on tiny and full-size random
+checkpoints; the derived receptive field is the network's true dependency set; upstream's
+``Chat._decode_to_wavs`` is the oracle for the whole decode; ChatTTSSpeech over a fake
+CodeEngine (chunking, flow control, sample rates, abort).
+
+"full" here is the released model's DVAE / Decoder / Vocos shapes (the GPT and the DVAE
+encoder, which decoding never touches, are shrunk so the fixture writes 335 MB instead of
+1.1 GB). Layer scales are randomised ("spiced") so that distant frames matter: upstream's
+random init (DVAE layer scale 1e-6) makes the deep stack almost an identity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from engine.api import AudioChunk, CodeFrames, EngineHealth, SpeechRequest
+from engine.audio_format import float_to_pcm16
+from engine.checkpoint import FULL, make_checkpoint
+from engine.decoder import ChunkPolicy, Reach
+from engine.decoder.batching import BatchingDecoder
+from engine.decoder.nets import Vocoder, load_vocoder, stage_reaches
+from engine.decoder.streaming import DecodeJob, StreamingVocoder
+from engine.speech import ChatTTSSpeech
+from voicegw.config import EngineConfig
+
+TOL = 1e-4
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():  # type: ignore[no-untyped-def]
+    """Small streaming windows gain nothing from intra-op threads, and on a shared 2-core
+    machine OpenMP barriers make them ~10x slower; restored after the module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _spice(src: Path, dst: Path, seed: int) -> Path:
+    """Copy a checkpoint with random layer scales in U(0.2, 1) (DVAE/Decoder ``weight``,
+    Vocos ``gamma``); other files are symlinked."""
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    for rel in ["asset/gpt", "asset/tokenizer", "asset/Embed.safetensors"]:
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(src / rel, dst / rel)
+    for name in ["DVAE", "Decoder", "Vocos"]:
+        state = load_file(str(src / f"asset/{name}.safetensors"))
+        for k, v in state.items():
+            parts = k.split(".")
+            if (len(parts) == 4 and parts[1] == "decoder_block" and parts[3] == "weight") or parts[-1] == "gamma":
+                state[k] = 0.2 + 0.8 * torch.rand(v.shape, generator=gen)
+        save_file(state, str(dst / f"asset/{name}.safetensors"))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("decoder_ckpt")
+    full_spec = dataclasses.replace(
+        FULL, gpt_layers=1, gpt_intermediate=256, gpt_vocab=256, dvae_enc_layers=1, dvae_enc_hidden=32
+    )
+    full = make_checkpoint(root / "full", full_spec, seed=0)
+    return {
+        "tiny": _spice(tiny_model_dir, root / "tiny_spiced", 1),
+        "full": _spice(full, root / "full_spiced", 2),
+    }
+
+
+@pytest.fixture(scope="module")
+def upstream_chats(model_dirs: dict[str, Path]) -> dict[str, object]:
+    from tests.upstream import load_upstream_chat
+
+    return {size: load_upstream_chat(d) for size, d in model_dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def vocoders(model_dirs: dict[str, Path]) -> dict[tuple[str, str], Vocoder]:
+    return {
+        (size, path): load_vocoder(d, use_hidden=(path == "hidden"))
+        for size, d in model_dirs.items()
+        for path in ("codes", "hidden")
+    }
+
+
+def _inputs(voc: Vocoder, steps: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if voc.uses_codes:
+        return rng.integers(0, 625, (steps, 4))
+    return rng.normal(size=(steps, voc.front.step_dim)).astype(np.float32)
+
+
+def _whole(voc: Vocoder, x: np.ndarray) -> np.ndarray:
+    return voc.decode_whole(torch.from_numpy(x)).numpy()
+
+
+def _stream(sv: StreamingVocoder, x: np.ndarray, sizes: list[int]) -> tuple[np.ndarray, list[int]]:
+    st = sv.open()
+    parts = []
+    pos = 0
+    for k in sizes:
+        parts.append(sv.decode([DecodeJob(st, x[pos : pos + k], final=pos + k >= len(x))])[0])
+        pos += k
+    assert st.finished
+    seams = list(np.cumsum([len(p) for p in parts])[:-1])
+    return np.concatenate(parts), seams
+
+
+def _sizes(steps: int, chunk: int, first: int | None = None) -> list[int]:
+    out: list[int] = []
+    pos = 0
+    while pos < steps or not out:
+        k = min(first if (first and not out) else chunk, steps - pos)
+        out.append(k)
+        pos += k
+    return out
+
+
+# --------------------------------------------------------------------------- receptive field
+
+
+@pytest.mark.parametrize("size", ["tiny", "full"])
+def test_receptive_field_derived_from_modules(size: str, vocoders: dict, upstream_chats: dict) -> None:
+    """Our stage list walks the same convolutions as upstream's modules (kernel, dilation, padding)."""
+    chat: Any = upstream_chats[size]
+    ups_dvae = stage_reaches(chat.dvae.decoder) + stage_reaches(chat.dvae.out_conv)
+    ups_dec = stage_reaches(chat.decoder.decoder) + stage_reaches(chat.decoder.out_conv)
+    ups_vocos = stage_reaches(chat.vocos.backbone)
+
+    def total(rs: list[Reach]) -> Reach:
+        return Reach(sum(r.left for r in rs), sum(r.right for r in rs))
+
+    for path, ups in (("codes", ups_dvae), ("hidden", ups_dec)):
+        g = vocoders[(size, path)].geometry
+        assert g.reach == total(ups) + total(ups_vocos)
+        assert [r for r in g.stage_reaches if r.span] == [r for r in ups + ups_vocos if r.span]
+    if size == "full":
+        g = vocoders[("full", "codes")].geometry
+        assert g.reach == Reach(102, 102)  # 2 + 12*6 + 1 (DVAE) + 3 + 8*3 (Vocos), mel frames
+        assert g.exact_lookahead_steps == 52
+        assert vocoders[("full", "hidden")].geometry.exact_lookahead_steps == 52
+
+
+@pytest.mark.parametrize("path", ["codes", "hidden"])
+def test_receptive_field_is_the_true_dependency_set(path: str, model_dirs: dict) -> None:
+    """Autograd in float64: an output sample depends on exactly the input frames the derived
+    reach (plus the ISTFT's frame coverage) says, no more, no fewer."""
+    v64 = load_vocoder(model_dirs["tiny"], use_hidden=(path == "hidden")).double()
+    r = v64.geometry.reach
+    n_frames = 160
+    hop, n_fft = v64.hop, v64.n_fft
+    frames = torch.randn(1, v64.front.in_dim, n_frames, dtype=torch.float64, requires_grad=True)
+    y = frames
+    for s in v64.stages:
+        y = s.padded(y)
+    audio = v64.overlap_add(y)[0]
+    for j in (5000, 20000 + 77, 30000 + 3):
+        p = j + n_fft // 2  # absolute position; not a multiple of hop (w[0] = 0 would hide a frame)
+        assert p % hop
+        (g,) = torch.autograd.grad(audio[j], frames, retain_graph=True)
+        dep = torch.nonzero(g[0].abs().sum(0)).flatten()
+        f_lo = -(-(p - n_fft + 1) // hop)  # frames covering p: f*hop <= p < f*hop + n_fft
+        f_hi = p // hop
+        assert int(dep.min()) == max(0, f_lo - r.left)
+        assert int(dep.max()) == min(n_frames - 1, f_hi + r.right)
+
+
+# --------------------------------------------------------------------------- whole decode
+
+
+@pytest.mark.parametrize("size", ["tiny", "full"])
+def test_whole_decode_matches_upstream(size: str, vocoders: dict, upstream_chats: dict) -> None:
+    """Our plain-torch whole decode == upstream ``Chat._decode_to_wavs`` (both paths), and T steps
+    give (2T-1)*256 samples."""
+    chat: Any = upstream_chats[size]
+    for path in ("codes", "hidden"):
+        voc = vocoders[(size, path)]
+        for steps in (1, 7, 60):
+            x = _inputs(voc, steps, seed=steps)
+            ours = _whole(voc, x)
+            ups = chat._decode_to_wavs([torch.from_numpy(x)], path == "hidden")
+            assert ups.shape == (1, (2 * steps - 1) * 256) == (1, ours.shape[0])
+            assert voc.geometry.whole_samples(steps) == ours.shape[0]
+            np.testing.assert_allclose(ours, ups[0], atol=TOL)
+
+
+# --------------------------------------------------------------------------- streaming == whole
+
+CASES = [
+    ("tiny", 1, [1, 3]),
+    ("tiny", 2, [1, 3]),
+    ("tiny", 13, [1, 4, 16]),
+    ("tiny", 100, [1, 3, 7, 16]),
+    ("full", 1, [1]),
+    ("full", 37, [1, 6, 16]),
+    ("full", 150, [4, 16, 24]),
+]
+
+
+@pytest.mark.parametrize("path", ["codes", "hidden"])
+@pytest.mark.parametrize(("size", "steps", "chunks"), CASES)
+def test_streamed_equals_whole(size: str, steps: int, chunks: list[int], path: str, vocoders: dict) -> None:
+    voc = vocoders[(size, path)]
+    sv = StreamingVocoder(voc)
+    x = _inputs(voc, steps, seed=steps * 7 + len(path))
+    whole = _whole(voc, x)
+    assert whole.shape[0] == (2 * steps - 1) * 256
+    for chunk in chunks:
+        out, seams = _stream(sv, x, _sizes(steps, chunk, first=max(1, chunk // 2)))
+        assert out.shape == whole.shape
+        err = np.abs(out - whole)
+        assert err.max() <= TOL, (chunk, float(err.max()))
+        # seams: the step across each chunk boundary is the whole decode's step there
+        for s in seams:
+            if 0 < s < len(out):
+                assert abs((out[s] - out[s - 1]) - (whole[s] - whole[s - 1])) <= 2 * TOL
+
+
+def test_streamed_single_final_push_and_empty(vocoders: dict) -> None:
+    voc = vocoders[("tiny", "codes")]
+    sv = StreamingVocoder(voc)
+    x = _inputs(voc, 40, seed=3)
+    np.testing.assert_allclose(sv.decode_stream_whole(x), _whole(voc, x), atol=TOL)
+    assert sv.decode_stream_whole(x[:0]).shape == (0,)
+    st = sv.open()
+    assert sv.decode([DecodeJob(st, x[:5])])[0].shape == (0,)  # nothing exact yet (lookahead 13)
+    with pytest.raises(ValueError):
+        sv.decode([DecodeJob(sv.open(), np.full((2, 4), 625))])  # EOS code must not reach the decoder
+
+
+def test_exact_emission_follows_geometry(vocoders: dict) -> None:
+    """After n steps (not final) exactly geometry.exact_samples(n) samples are out."""
+    voc = vocoders[("full", "codes")]
+    sv = StreamingVocoder(voc)
+    g = sv.geometry
+    x = _inputs(voc, 80, seed=5)
+    st = sv.open()
+    total = 0
+    for n in range(8, 80, 8):
+        total += sv.decode([DecodeJob(st, x[n - 8 : n])])[0].shape[0]
+        assert total == g.exact_samples(n) == max(0, (n - 52) * 512)
+
+
+# --------------------------------------------------------------------------- batching
+
+
+@pytest.mark.parametrize(("size", "path"), [("tiny", "codes"), ("tiny", "hidden"), ("full", "codes")])
+def test_batched_equals_alone(size: str, path: str, vocoders: dict) -> None:
+    """Streams of different lengths and push sizes in shared forwards == each decoded alone."""
+    voc = vocoders[(size, path)]
+    sv = StreamingVocoder(voc)
+    rng = np.random.default_rng(11)
+    n = 6
+    xs = [_inputs(voc, int(rng.integers(1, 120 if size == "tiny" else 90)), seed=i) for i in range(n)]
+    alone = [_whole(voc, x) for x in xs]
+    states = [sv.open() for _ in range(n)]
+    pos = [0] * n
+    outs: list[list[np.ndarray]] = [[] for _ in range(n)]
+    max_batch = 0
+    while not all(s.finished for s in states):
+        jobs, who = [], []
+        for i in range(n):
+            if states[i].finished or rng.random() < 0.25:
+                continue
+            a = pos[i]
+            pos[i] = min(len(xs[i]), a + int(rng.integers(0, 20)))
+            jobs.append(DecodeJob(states[i], xs[i][a : pos[i]], final=pos[i] >= len(xs[i])))
+            who.append(i)
+        max_batch = max(max_batch, len(jobs))
+        for i, o in zip(who, sv.decode(jobs), strict=True):
+            outs[i].append(o)
+    assert max_batch >= 3
+    for i in range(n):
+        got = np.concatenate(outs[i])
+        assert got.shape == alone[i].shape
+        np.testing.assert_allclose(got, alone[i], atol=TOL)
+
+
+async def test_batching_decoder_concurrent_streams(vocoders: dict) -> None:
+    voc = vocoders[("tiny", "codes")]
+    dec = BatchingDecoder(StreamingVocoder(voc), max_batch=8, batch_wait_ms=5.0)
+    await dec.start()
+    try:
+        xs = [_inputs(voc, 30 + 7 * i, seed=100 + i) for i in range(10)]
+
+        async def run(x: np.ndarray, chunk: int) -> np.ndarray:
+            s = dec.open_stream()
+            parts = []
+            for a in range(0, len(x), chunk):
+                parts.append(await s.push(x[a : a + chunk], final=a + chunk >= len(x)))
+            return np.concatenate(parts)
+
+        outs = await asyncio.gather(*(run(x, 3 + i % 4) for i, x in enumerate(xs)))
+        for x, o in zip(xs, outs, strict=True):
+            np.testing.assert_allclose(o, _whole(voc, x), atol=TOL)
+        assert dec.stats.max_batch_seen > 1
+        assert dec.stats.max_batch_seen <= 8
+        # malformed input is rejected alone, before it can fail a batch
+        from engine.api import EngineError
+
+        with pytest.raises(EngineError):
+            await dec.open_stream().push(np.full((3, 4), 700))
+        with pytest.raises(EngineError):
+            await dec.open_stream().push(np.zeros((3, 5), np.int64))
+        # a cancelled push closes its stream
+        s = dec.open_stream()
+        t = asyncio.ensure_future(s.push(xs[0][:10]))
+        await asyncio.sleep(0)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        assert s.closed
+    finally:
+        await dec.close()
+
+
+# --------------------------------------------------------------------------- provisional mode
+
+
+def test_provisional_mode(vocoders: dict) -> None:
+    """lookahead below the exact value: same length, finite, audio after the requested steps,
+    error shrinking as the lookahead grows, no seam jump beyond what the signal itself does.
+    (Random weights give noise-like audio: audible quality cannot be judged here.)"""
+    voc = vocoders[("full", "codes")]
+    sv = StreamingVocoder(voc)
+    steps = 120
+    x = _inputs(voc, steps, seed=9)
+    whole = _whole(voc, x)
+    biggest_step = float(np.abs(np.diff(whole)).max())
+    errs = {}
+    for la in (0, 4, 16):
+        st = sv.open()
+        parts = []
+        for a in range(0, steps, 8):
+            fin = a + 8 >= steps
+            parts.append(sv.decode([DecodeJob(st, x[a : a + 8], final=fin, emit_steps=None if fin else a + 8 - la)])[0])
+        out = np.concatenate(parts)
+        assert out.shape == whole.shape
+        assert np.isfinite(out).all()
+        first = (8 - la) * 512 if la else 8 * 512 - 256
+        assert parts[0].shape[0] == max(0, first)  # audio after 8 steps, la behind (la=0: whole prefix)
+        errs[la] = float(np.abs(out - whole).max())
+        seams = np.cumsum([len(p) for p in parts])[:-1]
+        jumps = [abs(float(out[s] - out[s - 1])) for s in seams if 0 < s < len(out)]
+        assert max(jumps) <= biggest_step, (la, max(jumps), biggest_step)
+    assert errs[16] < errs[4] < errs[0]
+    # with lookahead = exact, the provisional path emits nothing provisional: exact output
+    st = sv.open()
+    la = sv.geometry.exact_lookahead_steps
+    parts = [
+        sv.decode([DecodeJob(st, x[a : a + 8], final=a + 8 >= steps, emit_steps=a + 8 - la)])[0]
+        for a in range(0, steps, 8)
+    ]
+    np.testing.assert_allclose(np.concatenate(parts), whole, atol=TOL)
+
+
+# --------------------------------------------------------------------------- ChatTTSSpeech
+
+
+class FakeCodeEngine:
+    """Yields predetermined codes (and hidden states) in pieces; records what was pulled."""
+
+    name = "chattts-fake"
+
+    def __init__(self, utterances: dict[str, np.ndarray], piece: int = 1, hidden: dict[str, np.ndarray] | None = None):
+        self.utterances = utterances
+        self.hidden = hidden or {}
+        self.piece = piece
+        self.pulled: dict[str, int] = {}
+        self.aborted: set[str] = set()
+        self.closed_iters: set[str] = set()
+        self.running = 0
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(self.name, True, self.running)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.add(request_id)
+
+    async def generate(self, request: SpeechRequest) -> AsyncIterator[CodeFrames]:
+        rid = request.request_id
+        codes = self.utterances[rid]
+        hid = self.hidden.get(rid)
+        self.running += 1
+        self.pulled[rid] = 0
+        try:
+            pos = 0
+            while True:
+                if rid in self.aborted:
+                    yield CodeFrames(rid, codes[:0], None, finished=True, finish_reason="abort")
+                    return
+                k = min(self.piece, len(codes) - pos)
+                fin = pos + k >= len(codes)
+                self.pulled[rid] = pos + k
+                yield CodeFrames(
+                    rid,
+                    codes[pos : pos + k],
+                    None if hid is None else hid[pos : pos + k],
+                    finished=fin,
+                    finish_reason="eos" if fin else None,
+                )
+                pos += k
+                if fin:
+                    return
+                await asyncio.sleep(0)
+        finally:
+            self.running -= 1
+            self.closed_iters.add(rid)
+
+
+async def _speech(voc: Vocoder, engine: FakeCodeEngine, **cfg_kw: object) -> ChatTTSSpeech:
+    cfg = EngineConfig(**{"first_chunk_steps": 4, "chunk_steps": 8, **cfg_kw})  # type: ignore[arg-type]
+    sp = ChatTTSSpeech(engine, BatchingDecoder(StreamingVocoder(voc), max_batch=16, batch_wait_ms=1.0), cfg)
+    await sp.start()
+    return sp
+
+
+async def _collect(sp: ChatTTSSpeech, req: SpeechRequest) -> list[AudioChunk]:
+    return [c async for c in sp.synthesize(req)]
+
+
+@pytest.mark.parametrize("path", ["codes", "hidden"])
+async def test_speech_equals_whole_decode(path: str, vocoders: dict) -> None:
+    voc = vocoders[("tiny", path)]
+    rng = np.random.default_rng(3)
+    codes = {f"r{i}": rng.integers(0, 625, (n, 4)) for i, n in enumerate((1, 20, 77))}
+    hidden = {k: _inputs(voc, len(v), seed=i) for i, (k, v) in enumerate(codes.items())} if path == "hidden" else None
+    eng = FakeCodeEngine(codes, piece=3, hidden=hidden)
+    sp = await _speech(voc, eng, use_hidden_decoder=(path == "hidden"))
+    try:
+        results = await asyncio.gather(*(_collect(sp, SpeechRequest(rid, "x")) for rid in codes))
+        for rid, chunks in zip(codes, results, strict=True):
+            assert chunks[-1].finished and all(not c.finished for c in chunks[:-1])
+            assert all(c.sample_rate_hz == 24000 and c.request_id == rid for c in chunks)
+            assert sum(c.steps for c in chunks) == len(codes[rid])
+            pcm = np.frombuffer(b"".join(c.pcm for c in chunks), "<i2")
+            x = hidden[rid] if hidden else codes[rid]
+            want = float_to_pcm16(_whole(voc, x))
+            assert pcm.shape == want.shape
+            assert np.abs(pcm.astype(np.int32) - want).max() <= 1
+        assert eng.running == 0
+        assert sp.health().healthy
+    finally:
+        await sp.close()
+
+
+async def test_speech_first_chunk_and_flow_control(vocoders: dict) -> None:
+    voc = vocoders[("tiny", "codes")]
+    la = voc.geometry.exact_lookahead_steps  # 13 for tiny
+    eng = FakeCodeEngine({"a": np.random.default_rng(0).integers(0, 625, (200, 4))}, piece=1)
+    sp = await _speech(voc, eng)
+    try:
+        gen: Any = sp.synthesize(SpeechRequest("a", "x"))
+        first = await gen.__anext__()
+        assert len(first.pcm) == 4 * 512 * 2  # first_chunk_steps of audio
+        assert eng.pulled["a"] == 4 + la  # first audio after first_chunk_steps + lookahead steps
+        jobs = sp._decoder.stats.jobs
+        await asyncio.sleep(0.1)  # consumer does not pull: nothing is read or decoded
+        assert eng.pulled["a"] == 4 + la and sp._decoder.stats.jobs == jobs
+        second = await gen.__anext__()
+        assert len(second.pcm) == 4 * 512 * 2  # chunks grow: 4, 4, 8, 8, ...
+        third = await gen.__anext__()
+        assert len(third.pcm) == 8 * 512 * 2
+        await gen.aclose()  # consumer goes away: the code stream is closed and aborted
+        assert "a" in eng.closed_iters and "a" in eng.aborted
+        assert eng.running == 0
+    finally:
+        await sp.close()
+
+
+@pytest.mark.parametrize("rate", [8000, 16000, 48000])
+async def test_speech_sample_rates(rate: int, vocoders: dict) -> None:
+    voc = vocoders[("tiny", "codes")]
+    codes = np.random.default_rng(rate).integers(0, 625, (60, 4))
+    sp = await _speech(voc, FakeCodeEngine({"a": codes}, piece=5))
+    try:
+        chunks = await _collect(sp, SpeechRequest("a", "x", sample_rate_hz=rate))
+        n = len(b"".join(c.pcm for c in chunks)) // 2
+        want = (2 * 60 - 1) * 256 * rate / 24000
+        assert abs(n - want) <= 2
+        assert all(c.sample_rate_hz == rate for c in chunks)
+    finally:
+        await sp.close()
+
+
+async def test_speech_abort_and_empty(vocoders: dict) -> None:
+    voc = vocoders[("tiny", "codes")]
+    eng = FakeCodeEngine({"a": np.zeros((300, 4), np.int64), "e": np.zeros((0, 4), np.int64)}, piece=2)
+    sp = await _speech(voc, eng)
+    try:
+        gen = sp.synthesize(SpeechRequest("a", "x"))
+        await gen.__anext__()
+        await sp.abort("a")
+        rest = [c async for c in gen]
+        assert rest[-1].finished and rest[-1].pcm == b""
+        assert "a" in eng.aborted and eng.running == 0
+        chunks = await _collect(sp, SpeechRequest("e", "x"))
+        assert len(chunks) == 1 and chunks[0].finished and chunks[0].pcm == b""
+        from engine.api import EngineError
+
+        with pytest.raises(EngineError):
+            sp.synthesize(SpeechRequest("z", "x", sample_rate_hz=44100))
+    finally:
+        await sp.close()
+
+
+def test_chunk_policy_from_config(vocoders: dict) -> None:
+    from engine.speech import chunk_policy
+
+    g = vocoders[("full", "codes")].geometry
+    p = chunk_policy(EngineConfig(), g.exact_lookahead_steps)
+    assert p == ChunkPolicy(EngineConfig().first_chunk_steps, EngineConfig().chunk_steps, 52)
