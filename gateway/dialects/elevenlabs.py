@@ -150,8 +150,8 @@ class ElevenLabsTranslator:
             problem = _check_voice_settings(msg.get("voice_settings"))
             if problem:
                 return Step(to_client=[error_frame("invalid_voice_settings", problem)], close=(1008, problem))
-            if not msg["text"].strip():
-                return step  # the initial " "
+            if msg["text"] != "" and not msg["text"].strip():
+                return step  # the initial " " ("" ends the input, even as the first message)
         text: str = msg["text"]
         if text == "":
             self.ended = True

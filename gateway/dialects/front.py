@@ -38,7 +38,7 @@ from gateway.dialects.socket import Inbox
 if TYPE_CHECKING:
     from gateway.server import GatewayServer
 
-log = logging.getLogger("voicegw.dialects.http")
+log = logging.getLogger("voicegw.dialects.front")
 
 _MAX_HEAD_BYTES: Final = 16 * 1024
 _SNIFF_BYTES: Final = 8

@@ -110,6 +110,8 @@ async def test_flush_speaks_before_the_end_and_final_closes(fake_engine: FakeSpe
         # the end without any text: isFinal at once
         got, audio, code = await _session(_url(server, output_format="pcm_16000"), [{"text": " "}, {"text": ""}])
         assert got == [{"isFinal": True}] and audio == b"" and code == 1000
+        got, audio, code = await _session(_url(server, output_format="pcm_16000"), [{"text": ""}])
+        assert got == [{"isFinal": True}] and audio == b"" and code == 1000
 
 
 async def test_handshake_errors_and_key_in_first_message(fake_engine: FakeSpeechEngine,

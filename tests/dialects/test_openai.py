@@ -15,6 +15,7 @@ import orjson
 import pytest
 from openai import AsyncOpenAI
 from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
 
 from gateway import protocol as P
 from tests.dialects.conftest import CountingEngine
@@ -181,3 +182,22 @@ async def test_graceful_shutdown_finishes_the_request(make_gateway: GatewayFacto
         with pytest.raises((openai.InternalServerError, openai.APIConnectionError)):
             await _client(server).audio.speech.create(model="tts-1", voice="onyx", input="Hi.",
                                                       response_format="pcm")
+
+
+async def test_dialects_share_the_session_cap(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
+    async with make_gateway(fake_engine, limits={"max_sessions": 1}) as server:
+        url = "ws" + server.url[4:] + "/v1/speak"
+        async with connect(url) as ws:  # a Deepgram session holds the only slot
+            await asyncio.wait_for(ws.recv(), 5)
+            assert await wait_until(lambda: len(server.connections) == 1)
+            with pytest.raises(openai.InternalServerError) as exc:
+                await _client(server).audio.speech.create(model="tts-1", voice="alloy", input="Hi.",
+                                                          response_format="pcm")
+            assert exc.value.status_code == 503 and exc.value.body["code"] == "over_capacity"  # type: ignore[index]
+            with pytest.raises(InvalidStatus) as exc_ws:
+                await connect(server.ws_url[:-3] + "/v1/text-to-speech/Rachel/stream-input?output_format=pcm_24000")
+            assert exc_ws.value.response.status_code == 503
+        assert await wait_until(lambda: not server.connections)
+        ok = await _client(server).audio.speech.create(model="tts-1", voice="alloy", input="Hi.",
+                                                       response_format="pcm")
+        assert len(ok.content) == 2 * fake_engine.expected_samples("Hi.", 24_000)
