@@ -67,8 +67,7 @@ async def speech_engine(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
 
         eng = FakeSpeechEngine()
     else:  # a backend of engine.factory: vllm, reference (tiny random ChatTTS checkpoint)
-        from engine.factory import create_speech_engine  # type: ignore[import-not-found]
-
+        from engine.factory import create_speech_engine  # type: ignore[attr-defined,import-not-found,unused-ignore]
         from voicegw.config import EngineConfig
 
         fields: dict[str, Any] = {"backend": kind, "device": "cpu", "kv_cache_gib": 1.0}
