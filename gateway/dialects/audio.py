@@ -1,13 +1,16 @@
-"""Audio output of the dialects (pure numpy + soxr): encodings, extra rates, WAV streaming header.
+"""Audio output of the dialects (numpy + soxr; MP3 through ``lameenc`` when it is installed):
+encodings, extra rates, WAV streaming header.
 
 The session always produces PCM16 at one of the native protocol's rates; a dialect may want a rate
-the native protocol does not offer (22050, 32000, 44100 Hz) or an encoding it does not (A-law).
-``Encoder`` turns the session's PCM16 into the dialect's bytes: a streaming band-limited resampler
-(``engine.audio_format.StreamResampler``) when the rates differ, then PCM16 / mu-law / A-law.
+the native protocol does not offer (22050, 32000, 44100 Hz) or an encoding it does not (A-law,
+MP3). ``Encoder`` turns the session's PCM16 into the dialect's bytes: a streaming band-limited
+resampler (``engine.audio_format.StreamResampler``) when the rates differ, then PCM16 / mu-law /
+A-law / MP3 (LAME, constant bit rate, mono).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import struct
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -18,9 +21,9 @@ from engine.audio_format import StreamResampler, float_to_pcm16, pcm16_to_float
 from gateway import protocol as P
 from gateway.audio import mulaw_encode
 
-Encoding = Literal["pcm16", "mulaw", "alaw"]
+Encoding = Literal["pcm16", "mulaw", "alaw", "mp3"]
 
-_BYTES_PER_SAMPLE: Final[dict[str, int]] = {"pcm16": 2, "mulaw": 1, "alaw": 1}
+_BYTES_PER_SAMPLE: Final[dict[str, int]] = {"pcm16": 2, "mulaw": 1, "alaw": 1, "mp3": 0}
 #: Rate the session runs at when the wanted rate is not a native one (then resampled here).
 _FALLBACK_SESSION_RATE_HZ: Final = 24_000
 
@@ -29,6 +32,8 @@ _FALLBACK_SESSION_RATE_HZ: Final = 24_000
 class OutputFormat:
     encoding: Encoding
     rate_hz: int
+    bitrate_kbps: int = 0
+    """MP3 only."""
 
     @property
     def session_rate_hz(self) -> int:
@@ -37,7 +42,36 @@ class OutputFormat:
 
     @property
     def bytes_per_sample(self) -> int:
+        """0 for MP3 (compressed)."""
         return _BYTES_PER_SAMPLE[self.encoding]
+
+
+def mp3_available() -> bool:
+    """MP3 output needs the optional ``lameenc`` package (LAME)."""
+    return importlib.util.find_spec("lameenc") is not None
+
+
+class _Mp3:
+    """A LAME encoder for one stream (LAME cannot continue after its final flush)."""
+
+    def __init__(self, rate_hz: int, bitrate_kbps: int) -> None:
+        import lameenc  # type: ignore[import-not-found]
+
+        self._enc = lameenc.Encoder()
+        self._enc.set_bit_rate(bitrate_kbps)
+        self._enc.set_in_sample_rate(rate_hz)
+        self._enc.set_out_sample_rate(rate_hz)
+        self._enc.set_channels(1)
+        self._enc.set_quality(2)
+        self._enc.silence()
+        self.used = False
+
+    def encode(self, pcm16: bytes) -> bytes:
+        self.used = True
+        return bytes(self._enc.encode(pcm16))
+
+    def flush(self) -> bytes:
+        return bytes(self._enc.flush()) if self.used else b""
 
 
 # ---- G.711 A-law -------------------------------------------------------------------------
@@ -91,12 +125,15 @@ class Encoder:
     def __init__(self, fmt: OutputFormat) -> None:
         self.fmt = fmt
         self._rs: StreamResampler | None = None
+        self._mp3: _Mp3 | None = None
         self._dirty = False
         self.reset()
 
     def reset(self) -> None:
         if self.fmt.session_rate_hz != self.fmt.rate_hz:
             self._rs = StreamResampler(self.fmt.session_rate_hz, self.fmt.rate_hz)
+        if self.fmt.encoding == "mp3":
+            self._mp3 = _Mp3(self.fmt.rate_hz, self.fmt.bitrate_kbps)
         self._dirty = False
 
     def encode(self, pcm16: bytes) -> bytes:
@@ -108,18 +145,27 @@ class Encoder:
         return self._finish(pcm16)
 
     def flush(self) -> bytes:
-        """The resampler's tail (empty without resampling or when nothing is pending)."""
-        if self._rs is None or not self._dirty:
+        """What the resampler and the MP3 encoder still hold (empty when nothing is pending); the
+        next audio starts a fresh stream."""
+        out = b""
+        if self._rs is not None and self._dirty:
+            tail = float_to_pcm16(self._rs.process(np.zeros(0, dtype=np.float32), last=True)).tobytes()
+            out = self._finish(tail)
+        if self._mp3 is not None and self._mp3.used:
+            out += self._mp3.flush()
+        elif not out:
             return b""
-        tail = float_to_pcm16(self._rs.process(np.zeros(0, dtype=np.float32), last=True)).tobytes()
         self.reset()
-        return self._finish(tail)
+        return out
 
     def _finish(self, pcm16: bytes) -> bytes:
         if self.fmt.encoding == "pcm16" or not pcm16:
             return pcm16
         if self.fmt.encoding == "mulaw":
             return mulaw_encode(pcm16)
+        if self.fmt.encoding == "mp3":
+            assert self._mp3 is not None
+            return self._mp3.encode(pcm16)
         return alaw_encode(pcm16)
 
 

@@ -23,7 +23,7 @@ import orjson
 
 from gateway import protocol as P
 from gateway.dialects import voices
-from gateway.dialects.audio import Encoder, OutputFormat
+from gateway.dialects.audio import Encoder, OutputFormat, mp3_available
 from gateway.dialects.base import Step, Turns
 
 PATH_RE: Final = re.compile(r"^/v1/text-to-speech/([^/]{1,128})/stream-input$")
@@ -37,6 +37,11 @@ OUTPUT_FORMATS: Final[dict[str, OutputFormat]] = {
     "pcm_48000": OutputFormat("pcm16", 48_000),
     "ulaw_8000": OutputFormat("mulaw", 8_000),
     "alaw_8000": OutputFormat("alaw", 8_000),
+}
+#: MP3 output_format values, served when ``lameenc`` is installed (``audio.mp3_available``).
+MP3_FORMATS: Final[dict[str, OutputFormat]] = {
+    f"mp3_{rate}_{kbps}": OutputFormat("mp3", rate, kbps)
+    for rate, kbps in ((22_050, 32), (44_100, 32), (44_100, 64), (44_100, 96), (44_100, 128), (44_100, 192))
 }
 #: Query parameters accepted and ignored.
 IGNORED_PARAMS: Final = frozenset({"model_id", "enable_logging", "enable_ssml_parsing", "optimize_streaming_latency",
@@ -78,10 +83,11 @@ def parse_request(path: str, query: str) -> Options:
     except ValueError:
         raise HandshakeError(400, "invalid_query", "malformed query string") from None
     fmt_name = q.get("output_format") or "mp3_44100_128"
-    fmt = OUTPUT_FORMATS.get(fmt_name)
+    served = {**OUTPUT_FORMATS, **MP3_FORMATS} if mp3_available() else OUTPUT_FORMATS
+    fmt = served.get(fmt_name)
     if fmt is None:
         raise HandshakeError(400, "invalid_output_format", f"output_format {fmt_name} is not supported by this "
-                             f"server; use one of {', '.join(OUTPUT_FORMATS)}")
+                             f"server; use one of {', '.join(served)}")
     seed: int | None = None
     if q.get("seed"):
         if not q["seed"].isdigit() or int(q["seed"]) > 4_294_967_295:

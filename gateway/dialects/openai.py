@@ -19,13 +19,17 @@ import orjson
 
 from gateway import protocol as P
 from gateway.dialects import voices
-from gateway.dialects.audio import wav_stream_header
+from gateway.dialects.audio import Encoder, OutputFormat, mp3_available, wav_stream_header
 
 PATH: Final = "/v1/audio/speech"
 RATE_HZ: Final = 24_000
 """OpenAI's pcm and wav are 24 kHz, 16-bit, mono."""
-RESPONSE_FORMATS: Final = ("pcm", "wav")
-UNSUPPORTED_FORMATS: Final = ("mp3", "opus", "aac", "flac")
+RESPONSE_FORMATS: Final = ("pcm", "wav", "mp3")
+"""mp3 only when ``lameenc`` is installed (``audio.mp3_available``)."""
+UNSUPPORTED_FORMATS: Final = ("opus", "aac", "flac")
+MP3_BITRATE_KBPS: Final = 64
+"""mp3: 24 kHz mono, constant 64 kbit/s."""
+_CONTENT_TYPES: Final = {"pcm": "audio/pcm", "wav": "audio/wav", "mp3": "audio/mpeg"}
 STREAM_FORMATS: Final = ("audio", "sse")
 IGNORED_FIELDS: Final = ("instructions",)
 SAMPLES_PER_TOKEN: Final = 512
@@ -98,11 +102,12 @@ def parse_body(raw: bytes, *, max_input_chars: int) -> SpeechBody:
         raise ApiError(400, f"Unknown voice {voice!r}. Supported: {', '.join(voices.OPENAI)}, a ChatTTS "
                        "seed ('2222'), or 'default'.", param="voice", code="invalid_value") from None
     fmt = obj.get("response_format", "mp3")
-    if fmt in UNSUPPORTED_FORMATS:
-        raise ApiError(400, f"response_format '{fmt}' is not supported by this server; use 'pcm' or 'wav'.",
-                       param="response_format", code="unsupported_value")
-    if fmt not in RESPONSE_FORMATS:
-        raise ApiError(400, "Invalid 'response_format': expected one of pcm, wav.",
+    served = RESPONSE_FORMATS if mp3_available() else tuple(f for f in RESPONSE_FORMATS if f != "mp3")
+    if fmt in UNSUPPORTED_FORMATS or fmt == "mp3" and fmt not in served:
+        raise ApiError(400, f"response_format '{fmt}' is not supported by this server; use one of "
+                       f"{', '.join(served)}.", param="response_format", code="unsupported_value")
+    if fmt not in served:
+        raise ApiError(400, f"Invalid 'response_format': expected one of {', '.join(served)}.",
                        param="response_format", code="invalid_value")
     stream_format = obj.get("stream_format", "audio")
     if stream_format not in STREAM_FORMATS:
@@ -184,6 +189,8 @@ class SpeechResponder:
         self.head_sent = False
         self.finished = False
         self.samples = 0
+        self.encoder = Encoder(OutputFormat("mp3", RATE_HZ, MP3_BITRATE_KBPS) if body.response_format == "mp3"
+                               else OutputFormat("pcm16", RATE_HZ))
 
     def opening(self) -> list[dict[str, Any]]:
         start: dict[str, Any] = {"type": P.ClientType.SESSION_START.value, "sample_rate": RATE_HZ,
@@ -201,8 +208,7 @@ class SpeechResponder:
         if self.sse:
             out: list[HttpOut] = [Head(200, (("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")))]
         else:
-            ctype = "audio/wav" if self.body.response_format == "wav" else "audio/pcm"
-            out = [Head(200, (("Content-Type", ctype),))]
+            out = [Head(200, (("Content-Type", _CONTENT_TYPES[self.body.response_format]),))]
         if self.body.response_format == "wav":
             header = wav_stream_header(RATE_HZ)
             out.append(Body(self._event_audio(header) if self.sse else header))
@@ -216,7 +222,9 @@ class SpeechResponder:
             return []
         self.samples += len(pcm16) // 2
         out = self._head()
-        out.append(Body(self._event_audio(pcm16) if self.sse else pcm16))
+        data = self.encoder.encode(pcm16)
+        if data:
+            out.append(Body(self._event_audio(data) if self.sse else data))
         return out
 
     def on_server_message(self, msg: dict[str, Any]) -> list[HttpOut]:
@@ -227,6 +235,9 @@ class SpeechResponder:
             if msg.get("status") != P.UtteranceStatus.OK.value:
                 return self._fail(error_for_code(str(msg.get("error", "engine_error"))))
             out = self._head()
+            tail = self.encoder.flush()
+            if tail:
+                out.append(Body(self._event_audio(tail) if self.sse else tail))
             if self.sse:
                 tokens_in = max(1, math.ceil(len(self.body.input) / 4))
                 tokens_out = math.ceil(self.samples / SAMPLES_PER_TOKEN)

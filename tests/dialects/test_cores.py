@@ -10,7 +10,7 @@ import pytest
 
 from gateway import protocol as P
 from gateway.dialects import deepgram, elevenlabs, openai, voices
-from gateway.dialects.audio import Encoder, OutputFormat, alaw_decode, alaw_encode
+from gateway.dialects.audio import Encoder, OutputFormat, alaw_decode, alaw_encode, mp3_available
 from gateway.dialects.base import Turns
 from gateway.dialects.front import classify
 
@@ -91,9 +91,13 @@ def test_openai_body():
     b = openai.parse_body(b'{"model":"tts-1","input":"Hi","voice":"ash","response_format":"wav","speed":1}',
                           max_input_chars=10)
     assert (b.speaker, b.response_format, b.stream_format) == (voices.OPENAI["ash"], "wav", "audio")
-    with pytest.raises(openai.ApiError) as exc:
-        openai.parse_body(b'{"model":"tts-1","input":"Hi","voice":"ash"}', max_input_chars=10)
-    assert exc.value.param == "response_format"  # OpenAI's default is mp3: not served
+    default = b'{"model":"tts-1","input":"Hi","voice":"ash"}'  # OpenAI's default format: mp3
+    if mp3_available():
+        assert openai.parse_body(default, max_input_chars=10).response_format == "mp3"
+    else:
+        with pytest.raises(openai.ApiError) as exc:
+            openai.parse_body(default, max_input_chars=10)
+        assert exc.value.param == "response_format"
     with pytest.raises(openai.ApiError) as exc:
         openai.parse_body(b'{"input":"Hi","voice":"ash"}', max_input_chars=10)
     assert exc.value.code == "missing_required_parameter" and exc.value.param == "model"
@@ -122,7 +126,7 @@ def test_handshake_parsing():
     e = elevenlabs.parse_request("/v1/text-to-speech/2222/stream-input", "output_format=pcm_44100&seed=4294967295")
     assert e.speaker == 2222 and e.fmt.session_rate_hz == 24_000 and e.seed == (2**32 - 1) % 2**31
     with pytest.raises(elevenlabs.HandshakeError):
-        elevenlabs.parse_request("/v1/text-to-speech/2222/stream-input", "output_format=mp3_22050_32")
+        elevenlabs.parse_request("/v1/text-to-speech/2222/stream-input", "output_format=opus_48000_32")
 
 
 def test_alaw_g711():
@@ -147,3 +151,15 @@ def test_classify_request_line():
     assert classify(b"PO") is None and classify(b"G") is None
     assert classify(b"\x16\x03\x01\x02\x00") == "ws"  # not HTTP: websockets rejects it as before
     assert classify(b"OPTIONS * HTTP/1.1") == "http"
+
+
+def test_mp3_refused_without_lameenc(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(openai, "mp3_available", lambda: False)
+    monkeypatch.setattr(elevenlabs, "mp3_available", lambda: False)
+    with pytest.raises(openai.ApiError) as exc:
+        openai.parse_body(b'{"model":"tts-1","input":"Hi","voice":"ash","response_format":"mp3"}',
+                          max_input_chars=10)
+    assert exc.value.code == "unsupported_value" and "mp3" not in exc.value.message.split("use one of")[1]
+    with pytest.raises(elevenlabs.HandshakeError) as exc2:
+        elevenlabs.parse_request("/v1/text-to-speech/2222/stream-input", "")
+    assert exc2.value.status == "invalid_output_format"

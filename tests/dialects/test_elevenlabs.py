@@ -14,9 +14,10 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from gateway.dialects.audio import alaw_decode
+from gateway.dialects.audio import alaw_decode, mp3_available
 from gateway.dialects.voices import ELEVENLABS
 from tests.dialects.conftest import CountingEngine
+from tests.dialects.mp3 import mp3_duration
 from tests.dialects.tls import tls_front
 from tests.gateway.conftest import GatewayFactory, wait_until
 from tests.gateway.fakes import FakeSpeechEngine
@@ -122,7 +123,7 @@ async def test_handshake_errors_and_key_in_first_message(fake_engine: FakeSpeech
         assert exc.value.response.status_code == 404
         assert orjson.loads(exc.value.response.body)["detail"]["status"] == "voice_not_found"
         with pytest.raises(InvalidStatus) as exc:
-            await connect(_url(server))  # default output_format is mp3
+            await connect(_url(server, output_format="opus_48000_64"))
         assert exc.value.response.status_code == 400
         with pytest.raises(InvalidStatus) as exc:
             await connect(_url(server, output_format="pcm_24000"), additional_headers={"xi-api-key": "wrong"})
@@ -151,3 +152,21 @@ async def test_disconnect_aborts_engine(make_gateway: GatewayFactory):
             await ws.send(orjson.dumps({"text": "A long story begins. " * 10, "flush": True}).decode())
             assert orjson.loads(await asyncio.wait_for(ws.recv(), 5))["audio"]
         assert await wait_until(lambda: slow.health().running_requests == 0, within_s=3)
+
+
+@pytest.mark.skipif(not mp3_available(), reason="lameenc not installed")
+async def test_official_sdk_default_mp3(counting_engine: CountingEngine, make_gateway: GatewayFactory,
+                                        tls_cert: Any, trust_cert: Any):
+    from elevenlabs.client import ElevenLabs
+
+    async with make_gateway(counting_engine) as server, tls_front(server.port, *tls_cert) as tls_port:
+        client = ElevenLabs(api_key="xi-test", base_url=f"https://127.0.0.1:{tls_port}")
+
+        def run() -> bytes:  # the SDK's default output_format: mp3_44100_128
+            return b"".join(client.text_to_speech.convert_realtime(voice_id="Adam", text=iter(CHUNKS)))
+
+        audio = await asyncio.wait_for(asyncio.to_thread(run), 30)
+        frames, samples, rate = mp3_duration(audio)
+        assert rate == 44_100
+        expected = counting_engine.total_samples * 44_100 / next(iter(counting_engine.rates))
+        assert -2 <= samples - expected <= 3 * 1152 + 1105

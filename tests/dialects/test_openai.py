@@ -18,7 +18,9 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from gateway import protocol as P
+from gateway.dialects.audio import mp3_available
 from tests.dialects.conftest import CountingEngine
+from tests.dialects.mp3 import mp3_duration
 from tests.gateway.conftest import GatewayFactory, wait_until
 from tests.gateway.fakes import FakeSpeechEngine
 
@@ -89,7 +91,7 @@ async def test_wav_and_sse(counting_engine: CountingEngine, make_gateway: Gatewa
     ("kwargs", "param", "code"),
     [
         ({"voice": "nobody"}, "voice", "invalid_value"),
-        ({"response_format": "mp3"}, "response_format", "unsupported_value"),
+        ({"response_format": "opus"}, "response_format", "unsupported_value"),
         ({"speed": 1.5}, "speed", "unsupported_value"),
         ({"speed": 9.0}, "speed", "invalid_value"),
         ({"input": "   "}, "input", "invalid_value"),
@@ -201,3 +203,18 @@ async def test_dialects_share_the_session_cap(fake_engine: FakeSpeechEngine, mak
         ok = await _client(server).audio.speech.create(model="tts-1", voice="alloy", input="Hi.",
                                                        response_format="pcm")
         assert len(ok.content) == 2 * fake_engine.expected_samples("Hi.", 24_000)
+
+
+@pytest.mark.skipif(not mp3_available(), reason="lameenc not installed")
+async def test_mp3_default_format(counting_engine: CountingEngine, make_gateway: GatewayFactory):
+    async with make_gateway(counting_engine) as server:
+        # no response_format: OpenAI's default, mp3
+        async with _client(server).audio.speech.with_streaming_response.create(
+            model="tts-1", voice="shimmer", input="The default format is mp3, streamed."
+        ) as resp:
+            assert resp.headers["content-type"] == "audio/mpeg"
+            data = await resp.read()
+        frames, samples, rate = mp3_duration(data)
+        assert rate == 24_000
+        # LAME adds its encoder delay and pads the last frame
+        assert 0 <= samples - counting_engine.total_samples <= 3 * 576 + 1105
