@@ -8,7 +8,8 @@ Client: ``{"type": "Speak", "text"}``, ``{"type": "Flush"}``, ``{"type": "Clear"
   flows before ``Flush`` as it does at Deepgram.
 * ``Flush`` -> ``text.end`` (+ barrier); ``Flushed`` once all its audio has been sent.
 * ``Clear`` -> ``cancel``; audio still queued for the client is dropped; ``Cleared`` follows.
-* ``Close`` -> ``text.end``; the connection closes 1000 once everything sent before it is spoken.
+* ``Close`` -> the connection closes 1000 at once (as at Deepgram); unsent audio is dropped and the
+  engine work stopped, as for any disconnect.
 """
 
 from __future__ import annotations
@@ -144,9 +145,9 @@ class DeepgramTranslator:
             self.turns.cancel_all()
             self.discarding = True
             return Step(to_session=[{"type": P.ClientType.CANCEL.value, "played_samples": self.delivered_samples}])
-        if mtype == "Close":
+        if mtype == "Close":  # Deepgram closes at once: what is still generating is dropped
             self.closing = True
-            return Step(to_session=self.turns.boundary("close"))
+            return Step(close=(1000, ""))
         return Step(to_client=[_warning("UNKNOWN_MESSAGE_TYPE", f"unknown message type {mtype!r}; expected "
                                         "Speak, Flush, Clear or Close")])
 
@@ -181,8 +182,6 @@ class DeepgramTranslator:
             if tag == "flush":
                 step.to_client.append(_json({"type": "Flushed", "sequence_id": self.flushed_seq}))
                 self.flushed_seq += 1
-            elif tag == "close":
-                step.close = (1000, "")
         return step
 
     def on_server_close(self, code: int, reason: str) -> Step:
