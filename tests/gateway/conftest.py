@@ -1,9 +1,10 @@
 """Gateway test fixtures.
 
 ``speech_engine`` is THE engine of the integration tests. It is the sine-tone test double unless
-``VOICEGW_TEST_ENGINE`` names a backend (``vllm``, ``reference``, ``espeak``): then it is built like
-``voicegw serve`` builds it (``voicegw.runtime.build_speech_engine``; the tiny ChatTTS checkpoint
-for ChatTTS backends). Run those under ``flock /tmp/voicegw-heavy.lock``.
+``VOICEGW_TEST_ENGINE`` names a backend: ``vllm`` or ``reference`` (ChatTTSSpeech on the tiny random
+checkpoint, built like ``voicegw.runtime.build_speech_engine`` does), or ``espeak``/``auto``
+(through ``build_speech_engine``). Run the ChatTTS ones under ``flock /tmp/voicegw-heavy.lock``
+with ``VLLM_CPU_KVCACHE_SPACE=1``.
 Tests that need the double's knobs (failure injection, exact lengths) use ``fake_engine``.
 """
 
@@ -33,14 +34,21 @@ ENGINE_KIND = os.environ.get("VOICEGW_TEST_ENGINE", "fake")
 async def speech_engine(request: pytest.FixtureRequest) -> AsyncIterator[SpeechEngine]:
     if ENGINE_KIND == "fake":
         engine: SpeechEngine = FakeSpeechEngine()
+    elif ENGINE_KIND in ("vllm", "reference"):
+        # ChatTTS on the tiny random checkpoint: what voicegw.runtime.build_speech_engine builds
+        from engine.factory import create_code_engine
+        from engine.speech import ChatTTSSpeech, build_decoder
+        from voicegw.config import EngineConfig
+
+        model_dir = str(request.getfixturevalue("tiny_model_dir"))
+        ecfg = EngineConfig(backend=ENGINE_KIND, model_dir=model_dir, device="cpu", kv_cache_gib=1.0,
+                            max_model_len=1024)
+        engine = ChatTTSSpeech(create_code_engine(ecfg, model_dir), build_decoder(ecfg, model_dir), ecfg)
     else:
         from voicegw.config import Config, EngineConfig
         from voicegw.runtime import build_speech_engine
 
-        fields: dict[str, Any] = {"backend": ENGINE_KIND, "device": "cpu", "kv_cache_gib": 1.0}
-        if ENGINE_KIND in ("vllm", "reference", "auto"):
-            fields["model_dir"] = str(request.getfixturevalue("tiny_model_dir"))
-        engine = build_speech_engine(Config(engine=EngineConfig(**fields)))
+        engine = build_speech_engine(Config(engine=EngineConfig(backend=ENGINE_KIND, device="cpu")))
     await engine.start()
     yield engine
     await engine.close()
