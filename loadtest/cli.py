@@ -34,6 +34,8 @@ def _scenario_flags(p: argparse.ArgumentParser) -> None:
                    help=f"seconds of load (burst: after the burst) [max {MAX_DURATION_S:.0f}]")
     g.add_argument("--ramp", type=float, default=d.ramp_s, dest="ramp_s", help="seconds over which sessions start")
     g.add_argument("--burst-at", type=float, default=d.burst_at_s, dest="burst_at_s")
+    g.add_argument("--bursts", type=int, default=d.bursts, help="burst: number of bursts")
+    g.add_argument("--burst-every", type=float, default=d.burst_every_s, dest="burst_every_s")
     g.add_argument("--tokens-per-s", type=float, default=d.tokens_per_s, dest="tokens_per_s",
                    help="LLM token rate per session")
     g.add_argument("--token-chars", type=float, default=d.token_chars, dest="token_chars",
@@ -46,6 +48,8 @@ def _scenario_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sample-rate", type=int, default=d.sample_rate_hz, dest="sample_rate_hz")
     g.add_argument("--settle", type=float, default=d.settle_s, dest="settle_s")
     g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--realtime-playback", dest="instant_playback", action="store_false",
+                   help="closed-loop: play audio in real time instead of consuming it at once")
 
 
 def _server_flags(p: argparse.ArgumentParser, default_engine: str | None) -> None:

@@ -90,6 +90,8 @@ class UtteranceRecord:
 class SessionRecord:
     session_id: int
     role: str
+    t0: float = 0.0
+    """The run's common start (monotonic); ``underruns`` and ``levels`` are relative to it."""
     t_connect: float | None = None
     t_started: float | None = None
     connect_error: str | None = None
@@ -115,7 +117,7 @@ class _Session:
         self.url = check_local_url(url)
         self.t0 = t0
         self.hard_end = min(hard_end, t0 + plan.end_s)
-        self.rec = SessionRecord(plan.session_id, plan.role)
+        self.rec = SessionRecord(plan.session_id, plan.role, t0)
         self.jb = JitterBuffer(plan.sample_rate_hz)
         self.rng = random.Random(plan.seed)
         self.ws: ClientConnection | None = None
@@ -176,7 +178,10 @@ class _Session:
             seg.gap_ms = 0.0 if open_ev is None else round((now - open_ev.start_s) * 1000.0, 1)
         seg.t_last_audio = now
         seg.samples += samples
-        self.jb.push(now, samples)
+        if self.plan.instant_playback:
+            self.jb.played_samples += samples  # a consumer as fast as the wire (throughput runs)
+        else:
+            self.jb.push(now, samples)
 
     def _on_json(self, msg: dict[str, Any], now: float) -> None:
         mtype = msg.get("type")

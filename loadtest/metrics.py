@@ -9,7 +9,9 @@ Definitions (also in docs/loadtest.md):
   first segment's text was sent (needs ``segment.started`` to carry the segment's end offset):
   the server's own share (segmenter wait excluded).
 * ``underruns`` / ``underrun_ms``: the simulated jitter buffer ran dry while the utterance was
-  still expected to deliver audio (count, total silence heard).
+  still expected to deliver audio (count, total silence heard). ``private_underruns_since``:
+  those after ``since_s`` that did NOT hit at least half of the other playing sessions at the
+  same moment (``shared_underruns``: whole-server stalls); what a scheduling policy decides.
 * ``segment_gap_ms``: silence heard at a segment boundary: when segment i+1's first audio
   arrives during an underrun, the time since that underrun began (else 0).
   ``segment_gaps_heard`` counts boundaries with a gap. ``boundary_buffer_ms``: client buffer
@@ -99,10 +101,44 @@ def utterance_rows(sessions: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _underruns_since(sessions: list[dict[str, Any]], since_s: float) -> tuple[int, float]:
+def _active_spans(sessions: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
+    """Per session: (first audio, last audio) relative to t0 -- when it was playing."""
+    spans = {}
+    for s in sessions:
+        firsts = [u["t_first_audio"] for u in s["utterances"] if u["t_first_audio"] is not None]
+        lasts = [u["t_last_audio"] for u in s["utterances"] if u.get("t_last_audio") is not None]
+        t0 = s.get("t0")
+        if firsts and lasts and t0 is not None:
+            spans[s["session_id"]] = (min(firsts) - t0, max(lasts) - t0)
+    return spans
+
+
+def shared_underruns(sessions: list[dict[str, Any]], window_s: float = 0.25) -> set[tuple[int, int]]:
+    """Underruns that hit at least half of the other sessions playing at that moment (within
+    ``window_s``): whole-server stalls (CPU contention, GC) rather than one stream losing out
+    to others. Returns (session_id, underrun index) pairs."""
+    spans = _active_spans(sessions)
+    out: set[tuple[int, int]] = set()
+    for s in sessions:
+        for i, (start, _end) in enumerate(s["underruns"]):
+            others = [o for o in sessions if o is not s and o["session_id"] in spans
+                      and spans[o["session_id"]][0] <= start <= spans[o["session_id"]][1] + 1.0]
+            if not others:
+                continue
+            hit = sum(1 for o in others if any(a - window_s <= start <= (b if b is not None else a) + window_s
+                                               for a, b in o["underruns"]))
+            if hit >= max(1, len(others) / 2):
+                out.add((s["session_id"], i))
+    return out
+
+
+def _underruns_since(sessions: list[dict[str, Any]], since_s: float,
+                     skip: set[tuple[int, int]] | None = None) -> tuple[int, float]:
     n, ms = 0, 0.0
     for s in sessions:
-        for start, end in s["underruns"]:
+        for i, (start, end) in enumerate(s["underruns"]):
+            if skip and (s["session_id"], i) in skip:
+                continue
             if end is None or end >= since_s:
                 n += 1 if start >= since_s else 0
                 ms += ((end if end is not None else start) - max(start, since_s)) * 1000.0
@@ -110,7 +146,8 @@ def _underruns_since(sessions: list[dict[str, Any]], since_s: float) -> tuple[in
 
 
 def _group_metrics(sessions: list[dict[str, Any]], rows: list[dict[str, Any]], wall_s: float,
-                   sample_rate_hz: int, since_s: float | None = None) -> dict[str, Any]:
+                   sample_rate_hz: int, since_s: float | None = None,
+                   shared: set[tuple[int, int]] | None = None) -> dict[str, Any]:
     errors: dict[str, int] = defaultdict(int)
     for r in rows:
         if r["error"]:
@@ -133,7 +170,9 @@ def _group_metrics(sessions: list[dict[str, Any]], rows: list[dict[str, Any]], w
     extra: dict[str, Any] = {}
     if since_s is not None:
         n, ms = _underruns_since(sessions, since_s)
-        extra = {"since_s": since_s, "underruns_since": n, "underrun_ms_since": ms}
+        pn, pms = _underruns_since(sessions, since_s, shared or set())
+        extra = {"since_s": since_s, "underruns_since": n, "underrun_ms_since": ms,
+                 "private_underruns_since": pn, "private_underrun_ms_since": pms}
     return extra | {
         "wall_s": round(wall_s, 3),
         "sessions": len(sessions),
@@ -178,11 +217,13 @@ def compute(sessions: list[dict[str, Any]], wall_s: float, sample_rate_hz: int =
         wall_s = max(dones) - min(starts)  # first text sent .. last utterance done
     normal = [s for s in sessions if s["role"] != "slow"]
     normal_rows = [r for r in rows if r["role"] != "slow"]
-    out: dict[str, Any] = {"all": _group_metrics(normal, normal_rows, wall_s, sample_rate_hz, since_s), "roles": {}}
+    shared = shared_underruns(normal)
+    out: dict[str, Any] = {"all": _group_metrics(normal, normal_rows, wall_s, sample_rate_hz, since_s, shared),
+                           "roles": {}, "shared_underruns": len(shared)}
     for role in sorted({s["role"] for s in sessions}):
         ss = [s for s in sessions if s["role"] == role]
         rr = [r for r in rows if r["role"] == role]
-        out["roles"][role] = _group_metrics(ss, rr, wall_s, sample_rate_hz, since_s)
+        out["roles"][role] = _group_metrics(ss, rr, wall_s, sample_rate_hz, since_s, shared)
     slow = [s for s in sessions if s["t_stop_reading"] is not None]
     if slow:
         out["slow_readers"] = [

@@ -5,8 +5,9 @@ A ``SessionPlan`` is everything one simulated chat session will do; workers exec
 
 * ``steady``: ``sessions`` chat sessions start spread over ``ramp_s`` and speak utterance
   after utterance (think time between turns) until ``duration_s``.
-* ``burst``: ``background`` sessions start first and are mid-utterance (long answers) when,
-  at ``burst_at_s``, ``sessions`` new sessions all start their first utterance at once.
+* ``burst``: ``background`` sessions start first and speak long answers back to back; at
+  ``burst_at_s`` (and every ``burst_every_s`` after, ``bursts`` times) ``sessions`` new
+  sessions all start their first utterance at once.
   Measures the burst's TTFA and the underruns of the streams already playing.
 * ``barge-in``: like ``steady``, but each utterance is cancelled with probability
   ``cancel_prob`` at a random time after its first audio (a user interrupting).
@@ -14,7 +15,9 @@ A ``SessionPlan`` is everything one simulated chat session will do; workers exec
   ``slow_after_s`` after its first audio while the server still has audio for it. The others
   must be unaffected.
 * ``closed-loop``: ``sessions`` sessions speak back to back (no think time) until
-  ``duration_s``: the throughput / latency comparison (QPS) against the baseline.
+  ``duration_s``: the throughput / latency comparison (QPS) against the baseline. Clients
+  consume audio as fast as it arrives (``instant_playback``), so QPS measures the engine, not
+  real-time playback.
 """
 
 from __future__ import annotations
@@ -76,6 +79,9 @@ class SessionPlan:
     """Hard end of this session (close) at t0 + end_s."""
     wait_playback: bool = True
     """Let each answer play out before the next turn (closed-loop: no, next request at once)."""
+    instant_playback: bool = False
+    """Report audio as played the moment it arrives (closed-loop throughput runs: the server's
+    flow control then never paces the stream to real time)."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,10 @@ class ScenarioParams:
     duration_s: float = 20.0
     ramp_s: float = 2.0
     burst_at_s: float = 4.0
+    bursts: int = 1
+    """burst: how many bursts (each of ``sessions`` new sessions)."""
+    burst_every_s: float = 10.0
+    """burst: time between bursts."""
     tokens_per_s: float = 40.0
     token_chars: float = 4.0
     utterance_chars: int = 160
@@ -100,6 +110,8 @@ class ScenarioParams:
     settle_s: float = 15.0
     """Extra time after the last planned start for utterances to finish (part of the caps)."""
     voice: int | None = None
+    instant_playback: bool = True
+    """closed-loop: clients consume audio as fast as it arrives (throughput); false: real time."""
 
 
 def make_text(rng: random.Random, chars: int) -> str:
@@ -138,7 +150,10 @@ def build_plans(p: ScenarioParams) -> list[SessionPlan]:
         raise ValueError(f"unknown scenario {p.scenario!r}; known: {', '.join(SCENARIOS)}")
     if not 0 < p.sessions <= MAX_SESSIONS or not 0 <= p.background <= MAX_SESSIONS:
         raise ValueError(f"sessions must be in 1..{MAX_SESSIONS}")
-    if p.sessions + (p.background if p.scenario == "burst" else 0) > MAX_SESSIONS:
+    if p.bursts < 1 or p.burst_every_s <= 0:
+        raise ValueError("bursts must be >= 1 and burst_every_s > 0")
+    if p.sessions * (p.bursts if p.scenario == "burst" else 1) + (p.background if p.scenario == "burst" else 0) \
+            > MAX_SESSIONS:
         raise ValueError(f"at most {MAX_SESSIONS} sessions in all")
     if not 0 < p.duration_s <= MAX_DURATION_S:
         raise ValueError(f"duration_s must be in (0, {MAX_DURATION_S}]")
@@ -156,15 +171,22 @@ def build_plans(p: ScenarioParams) -> list[SessionPlan]:
         )
 
     if p.scenario == "burst":
-        end = min(MAX_DURATION_S, p.burst_at_s + p.duration_s)
+        last_burst = p.burst_at_s + (p.bursts - 1) * p.burst_every_s
+        end = min(MAX_DURATION_S, last_burst + p.duration_s)
         for i in range(p.background):
             start = rng.uniform(0.0, min(p.ramp_s, p.burst_at_s / 2))
-            plans.append(SessionPlan(i, "background", start, utterances(1, p.background_chars, 0.0),
-                                     seed=p.seed * 7919 + i, end_s=end, **common))  # type: ignore[arg-type]
-        for j in range(p.sessions):
-            sid = p.background + j
-            plans.append(SessionPlan(sid, "burst", p.burst_at_s, utterances(1, p.utterance_chars, 0.0),
-                                     seed=p.seed * 7919 + sid, end_s=end, **common))  # type: ignore[arg-type]
+            # back-to-back long answers (the next is queued as soon as one is done), so
+            # background streams are mid-utterance whenever a burst comes
+            plans.append(SessionPlan(i, "background", start, utterances(2, p.background_chars, 0.0),
+                                     seed=p.seed * 7919 + i, end_s=end, loop_until_s=last_burst + 1.0,
+                                     wait_playback=False, **common))  # type: ignore[arg-type]
+        sid = p.background
+        for b in range(p.bursts):
+            for _ in range(p.sessions):
+                plans.append(SessionPlan(sid, "burst", p.burst_at_s + b * p.burst_every_s,
+                                         utterances(1, p.utterance_chars, 0.0), seed=p.seed * 7919 + sid,
+                                         end_s=end, **common))  # type: ignore[arg-type]
+                sid += 1
         return plans
 
     loop_until = p.duration_s
@@ -180,7 +202,9 @@ def build_plans(p: ScenarioParams) -> list[SessionPlan]:
             )
         plans.append(SessionPlan(i, p.scenario if p.scenario != "closed-loop" else "steady", start, utts,
                                  seed=p.seed * 7919 + i, loop_until_s=loop_until, end_s=end,
-                                 wait_playback=p.scenario != "closed-loop", **common))  # type: ignore[arg-type]
+                                 wait_playback=p.scenario != "closed-loop",
+                                 instant_playback=p.scenario == "closed-loop" and p.instant_playback,
+                                 **common))  # type: ignore[arg-type]
     if p.scenario == "slow-reader":
         sid = p.sessions
         plans.append(SessionPlan(sid, "slow", p.ramp_s / 2, utterances(1, max(p.background_chars, 600), 0.0),

@@ -5,7 +5,8 @@ free port), waits for its ``READY <ws-url>`` line, samples the RSS of its proces
 vLLM engine core is a child process) and stops it on exit (SIGTERM, then SIGKILL).
 
 Engines: ``fake`` (the gateway tests' sine-tone double, ``tests/gateway/fakes.py``: needs the
-source tree), ``sim`` (``loadtest.simengine``: vLLM-like batch scheduling without a model), ``vllm`` and ``espeak`` (``voicegw.runtime.build_speech_engine``, as ``voicegw serve``), ``native``
+source tree), ``sim`` (``loadtest.simengine``: vLLM-like batch scheduling without a model), ``vllm`` (``engine.factory`` code engine + ``engine.speech.ChatTTSSpeech``, as ``voicegw
+serve`` builds it) and ``espeak`` (``voicegw.runtime.build_speech_engine``), ``native``
 (``loadtest.baseline.NativePipelineSpeech``: upstream ChatTTS streaming, one at a time).
 Policies: ``priority`` (``engine.scheduler`` deadline priorities, vLLM ``scheduling_policy``
 "priority") or ``fcfs`` (every segment priority 0, vLLM "fcfs").
@@ -153,6 +154,8 @@ def _build_config(args: argparse.Namespace) -> Any:
                                  "engine.scheduling_policy": "fcfs" if args.policy == "fcfs" else "priority"}
     if args.engine in ("vllm", "espeak"):
         overrides["engine.backend"] = args.engine
+    if args.engine == "vllm":
+        overrides["engine.kv_cache_gib"] = 1.0  # shared 2-core dev machine; --set overrides
         overrides["engine.device"] = "cpu" if os.environ.get("CUDA_VISIBLE_DEVICES", "") == "" else "auto"
     if args.model_dir:
         overrides["engine.model_dir"] = args.model_dir
@@ -175,6 +178,14 @@ def _make_engine(kind: str, cfg: Any) -> Any:
         from loadtest.baseline import NativePipelineSpeech
 
         return NativePipelineSpeech(cfg.engine.model_dir, default_speaker=cfg.engine.default_speaker)
+    if kind == "vllm":
+        # the same composition as voicegw.runtime.build_speech_engine, with no fallback
+        from engine.factory import create_code_engine
+        from engine.speech import ChatTTSSpeech, build_decoder
+
+        code = create_code_engine(cfg.engine, cfg.engine.model_dir)
+        decoder = build_decoder(cfg.engine, cfg.engine.model_dir, device=str(getattr(code, "device", "cpu")))
+        return ChatTTSSpeech(code, decoder, cfg.engine)
     from voicegw.runtime import build_speech_engine
 
     return build_speech_engine(cfg)

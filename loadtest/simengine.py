@@ -10,8 +10,8 @@ audio:
   (policy ``priority``) or by arrival (``fcfs``); running requests are never preempted
   (no KV pressure modelled);
 * a request makes ``ms_per_char * len(text)`` of audio, ``SAMPLES_PER_STEP`` per step; audio
-  is handed out after ``first_chunk_steps`` and then every ``chunk_steps`` (like the
-  streaming decoder); PCM is silence.
+  is handed out after ``first_chunk_steps``, then in chunks growing up to ``chunk_steps``
+  (like the streaming decoder's ``ChunkPolicy``); PCM is silence.
 """
 
 from __future__ import annotations
@@ -89,8 +89,6 @@ class SimBatchEngine:
     async def _gen(self, request: SpeechRequest) -> AsyncIterator[AudioChunk]:
         if self._task is None or self._wake is None:
             raise EngineError("sim engine not started")
-        if self.policy == "fcfs" and request.priority != 0:
-            raise EngineError("priority given to an fcfs engine")  # what vLLM does too
         total = max(1, round(len(request.text) * self.ms_per_char / (SAMPLES_PER_STEP / 24.0)))
         req = _Req(request, next(self._counter), total, asyncio.Queue())
         self.waiting.append(req)
@@ -129,7 +127,9 @@ class SimBatchEngine:
                 r.steps += 1
                 done = r.steps >= r.total_steps
                 pending = r.steps - r.emitted_steps
-                due = self.first_chunk_steps if r.emitted_steps == 0 else self.chunk_steps
+                # chunk sizes grow like engine.decoder.window.ChunkPolicy: first, first, 2*first, ...
+                due = (self.first_chunk_steps if r.emitted_steps == 0 else
+                       min(self.chunk_steps, max(self.first_chunk_steps, r.emitted_steps)))
                 if done or pending >= due:
                     rate = r.request.sample_rate_hz
                     n = pending * SAMPLES_PER_STEP * rate // NATIVE_SAMPLE_RATE_HZ

@@ -129,11 +129,11 @@ def test_summarize() -> None:
 
 def _session(sid: int, role: str, t_text: float, t_audio: float | None, underruns: list) -> dict:
     return {
-        "session_id": sid, "role": role, "connect_error": None, "underruns": underruns,
+        "session_id": sid, "role": role, "t0": 0.0, "connect_error": None, "underruns": underruns,
         "underrun_ms": sum((e - s) * 1000 for s, e in underruns), "t_stop_reading": None,
         "utterances": [{
             "index": 0, "chars": 10, "t_first_text": t_text, "t_first_segment_text": t_text + 0.1,
-            "t_first_audio": t_audio, "t_done": None if t_audio is None else t_audio + 1.0, "done": {"samples": 100},
+            "t_first_audio": t_audio, "t_last_audio": None if t_audio is None else t_audio + 8.0, "t_done": None if t_audio is None else t_audio + 1.0, "done": {"samples": 100},
             "samples": 100, "segments": {}, "t_cancel": None, "t_cancelled": None,
             "t_last_audio_after_cancel": None, "frames_after_cancel": 0, "error": None, "timed_out": False,
             "cut": False,
@@ -154,6 +154,19 @@ def test_metrics_by_role_and_since() -> None:
     assert bg["underruns"] == 2 and bg["underruns_since"] == 1
     assert bg["underrun_ms_since"] == pytest.approx(500.0)
     assert m["all"]["completed"] == 3 and m["all"]["engine"]["samples"]["p50"] == 100.0
+    assert bg["private_underruns_since"] == 1  # nobody else stalled at 5.0 s
+
+
+def test_shared_underruns_are_whole_server_stalls() -> None:
+    sessions = [
+        _session(0, "background", 0.0, 0.2, [(5.0, 5.5), (6.5, 6.6)]),
+        _session(1, "burst", 4.0, 4.3, [(5.1, 5.4)]),
+        _session(2, "burst", 4.0, 4.5, [(4.95, 5.3)]),
+    ]
+    m = compute(sessions, wall_s=10.0, since_s=4.0)
+    assert m["shared_underruns"] == 3  # the three at ~5 s, not the lone one at 6.5 s
+    assert m["roles"]["background"]["private_underruns_since"] == 1
+    assert m["roles"]["burst"]["private_underruns_since"] == 0
 
 
 # ----------------------------------------------------------------------------- end to end
