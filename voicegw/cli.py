@@ -25,7 +25,7 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "gateway.log_level": ("--log-level",),
 }
 
-_DEFAULT_URL = "ws://127.0.0.1:8765/v1/stream"
+_DEFAULT_URL = "ws://127.0.0.1:8765/ws"
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "serve",
-        help="run the gateway (WebSocket /v1/stream, demo page at /, /healthz, /metrics)",
+        help="run the gateway (WebSocket /ws, demo page at /, /healthz, /metrics)",
         description="Run the gateway. Without ChatTTS weights it falls back to eSpeak NG (with a warning).",
     )
     _add_config_flags(s)

@@ -41,8 +41,8 @@ def build_speech_engine(cfg: Config) -> SpeechEngine:
             from engine.factory import create_code_engine
             from engine.speech import ChatTTSSpeech, build_decoder
 
-            code_backend = "vllm" if backend == "auto" else backend
-            code = create_code_engine(ecfg, model_dir, backend=code_backend)
+            code = create_code_engine(ecfg, model_dir)
+            code_backend = code.name
             device = getattr(code, "device", "cpu")
             decoder = build_decoder(ecfg, str(model_dir), device=str(device))
             log.info("engine: ChatTTS (%s) from %s", code_backend, model_dir)
