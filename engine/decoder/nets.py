@@ -244,23 +244,12 @@ class ConvOp(Op):
         if isinstance(pad, str):
             raise ValueError(f"string padding {pad!r} is not streamable")
         self.reach = conv_reach(conv.kernel_size[0], conv.dilation[0], pad[0], conv.stride[0])
-        self.depthwise = conv.groups == conv.in_channels == conv.out_channels and conv.groups > 1
 
     def padded(self, x: Tensor) -> Tensor:
         return self.conv(x)  # type: ignore[no-any-return]
 
     def valid(self, x: Tensor) -> Tensor:
         c = self.conv
-        if self.depthwise:
-            # k shifted multiply-adds: much cheaper than conv1d's dilated depthwise path on CPU
-            # for the short windows of streaming, and the same sums.
-            k, d = c.kernel_size[0], c.dilation[0]
-            n = x.shape[2] - self.reach.span
-            w = c.weight[:, 0, :]
-            y = x[:, :, 0:n] * w[None, :, 0, None]
-            for i in range(1, k):
-                y = y + x[:, :, i * d : i * d + n] * w[None, :, i, None]
-            return y + c.bias[None, :, None] if c.bias is not None else y
         return F.conv1d(x, c.weight, c.bias, 1, 0, c.dilation, c.groups)
 
 

@@ -529,3 +529,62 @@ def test_chunk_policy_from_config(vocoders: dict) -> None:
     g = vocoders[("full", "codes")].geometry
     p = chunk_policy(EngineConfig(), g.exact_lookahead_steps)
     assert p == ChunkPolicy(EngineConfig().first_chunk_steps, EngineConfig().chunk_steps, 52)
+
+
+class _Recorder:
+    """CodeEngine proxy that keeps every frame it passes on."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.frames: dict[str, list[CodeFrames]] = {}
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    def health(self) -> EngineHealth:
+        return self.inner.health()  # type: ignore[no-any-return]
+
+    async def abort(self, request_id: str) -> None:
+        await self.inner.abort(request_id)
+
+    async def generate(self, request: SpeechRequest) -> AsyncIterator[CodeFrames]:
+        got = self.frames.setdefault(request.request_id, [])
+        async for f in self.inner.generate(request):
+            got.append(f)
+            yield f
+
+
+@pytest.mark.parametrize("path", ["codes", "hidden"])
+async def test_speech_over_reference_engine(path: str, tiny_model_dir: Path) -> None:
+    """Real GPT output (upstream chattts, tiny random checkpoint) through ChatTTSSpeech equals
+    upstream's whole decode of the same codes / hidden states (``Chat._decode_to_wavs``)."""
+    from engine.api import SamplingParams
+    from engine.reference import ReferenceCodeEngine
+
+    cfg = EngineConfig(first_chunk_steps=4, chunk_steps=8, use_hidden_decoder=(path == "hidden"))
+    rec = _Recorder(ReferenceCodeEngine(tiny_model_dir, cfg))
+    voc = load_vocoder(tiny_model_dir, use_hidden=(path == "hidden"))
+    sp = ChatTTSSpeech(rec, BatchingDecoder(StreamingVocoder(voc)), cfg)  # type: ignore[arg-type]
+    await sp.start()
+    try:
+        req = SpeechRequest("ref1", "hello world", speaker=7, params=SamplingParams(seed=3, max_new_tokens=40, ignore_eos=True))
+        chunks = await _collect(sp, req)
+        frames = rec.frames["ref1"]
+        codes = np.concatenate([f.codes for f in frames])
+        assert codes.shape == (40, 4)
+        chat: Any = rec.inner._chat
+        if path == "hidden":
+            x = torch.from_numpy(np.concatenate([f.hidden for f in frames if f.hidden is not None]))
+        else:
+            x = torch.from_numpy(codes)
+        want = float_to_pcm16(chat._decode_to_wavs([x], path == "hidden")[0])
+        pcm = np.frombuffer(b"".join(c.pcm for c in chunks), "<i2")
+        assert pcm.shape == want.shape == ((2 * 40 - 1) * 256,)
+        assert np.abs(pcm.astype(np.int32) - want).max() <= 1
+        assert len(chunks) >= 3 and chunks[-1].finished
+    finally:
+        await sp.close()
