@@ -218,3 +218,35 @@ async def test_mp3_default_format(counting_engine: CountingEngine, make_gateway:
         assert rate == 24_000
         # LAME adds its encoder delay and pads the last frame
         assert 0 <= samples - counting_engine.total_samples <= 3 * 576 + 1105
+
+
+async def test_raw_http_expect_continue_and_http10(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
+    async with make_gateway(fake_engine) as server:
+        body = orjson.dumps({"model": "tts-1", "voice": "alloy", "input": "Raw socket.", "response_format": "pcm"})
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 100 ")
+        writer.write(body)
+        raw = await asyncio.wait_for(reader.read(), 10)  # the server closes after the response
+        writer.close()
+        head, _, chunked = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK") and b"transfer-encoding: chunked" in head.lower()
+        pcm, rest = b"", chunked
+        while True:
+            size_line, _, rest = rest.partition(b"\r\n")
+            size = int(size_line, 16)
+            if size == 0:
+                break
+            pcm, rest = pcm + rest[:size], rest[size + 2:]
+        assert len(pcm) == 2 * fake_engine.expected_samples("Raw socket.", 24_000)
+
+        # HTTP/1.0: no chunked encoding, the body runs to the close
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST /v1/audio/speech HTTP/1.0\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        raw = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        head, _, pcm = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"chunked" not in head.lower()
+        assert len(pcm) == 2 * fake_engine.expected_samples("Raw socket.", 24_000)
