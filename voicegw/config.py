@@ -98,13 +98,22 @@ class EngineConfig:
     max_model_len: int = 2048
     """vLLM max sequence length (prompt + steps)."""
     first_chunk_steps: int = 6
-    """Decoder: GPT steps before the first audio chunk (6 steps = 128 ms of audio)."""
+    """Decoder: GPT steps of audio in the first chunk (6 steps = 128 ms); first audio comes after
+    first_chunk_steps + decoder lookahead steps (exact mode: + 52 for ChatTTS)."""
     chunk_steps: int = 16
     """Decoder: GPT steps per later chunk."""
     decoder_batch_wait_ms: float = 2.0
     """Decoder: how long a ready chunk waits for others to batch with."""
     decoder_max_batch: int = 64
     """Decoder: most chunks in one batched forward."""
+    decoder_lookahead_steps: int = -1
+    """Decoder: steps the audio trails the newest GPT step. -1: exact (the derived receptive field,
+    52 steps for ChatTTS: output identical to whole-utterance decoding); smaller values emit the
+    newest audio provisionally and correct it with a crossfade (lower latency, approximate near
+    chunk ends; evaluate on real weights before lowering)."""
+    decoder_torch_threads: int = 1
+    """Torch intra-op threads in the gateway process (decoder forwards); 0 keeps torch's default.
+    1 is fastest for the small per-chunk forwards on CPU."""
     use_hidden_decoder: bool = False
     """Vocode GPT hidden states with ``Decoder`` (upstream default) instead of codes with DVAE."""
 
@@ -270,6 +279,10 @@ def _validate(section: str, name: str, value: Any) -> None:
         raise ConfigError(f"gateway.port: must be in 0..65535, got {value!r}")
     if key == ("engine", "gpu_memory_utilization") and not 0 < value <= 1:
         raise ConfigError(f"engine.gpu_memory_utilization: must be in (0, 1], got {value!r}")
+    if key == ("engine", "decoder_lookahead_steps") and value < -1:
+        raise ConfigError(f"engine.decoder_lookahead_steps: must be >= -1 (-1 = exact), got {value!r}")
+    if key == ("engine", "decoder_torch_threads") and value < 0:
+        raise ConfigError(f"engine.decoder_torch_threads: must be >= 0, got {value!r}")
     if key == ("engine", "decoder_batch_wait_ms") and value < 0:
         raise ConfigError(f"engine.decoder_batch_wait_ms: must be >= 0, got {value!r}")
 

@@ -41,6 +41,10 @@ def build_speech_engine(cfg: Config) -> SpeechEngine:
             from engine.factory import create_code_engine
             from engine.speech import ChatTTSSpeech, build_decoder
 
+            if ecfg.decoder_torch_threads > 0:
+                import torch
+
+                torch.set_num_threads(ecfg.decoder_torch_threads)
             code = create_code_engine(ecfg, model_dir)
             code_backend = code.name
             device = getattr(code, "device", "cpu")
