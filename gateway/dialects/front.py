@@ -157,7 +157,8 @@ class HttpExchangeProtocol(asyncio.Protocol):
             self._respond_now(_text_error(exc.error_status_hint, "bad request"))
 
     def eof_received(self) -> bool | None:
-        return None
+        # a client that half-closes after its request still gets the whole response
+        return True if self.task is not None else None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
