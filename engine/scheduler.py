@@ -164,6 +164,7 @@ class SchedulingPolicy:
         promote_levels: int = 1,
         epoch_s: float = 0.0,
         first_lead_ms: float | None = None,
+        slack_ms: float = 0.0,
     ) -> None:
         self.config = config or SchedulerConfig()
         if self.config.priority_levels < 1:
@@ -177,6 +178,7 @@ class SchedulingPolicy:
         self.epoch_s = epoch_s
         self.horizon_ms = self.config.priority_levels * self.config.bucket_ms
         self.first_lead_ms = self.horizon_ms if first_lead_ms is None else max(0.0, first_lead_ms)
+        self.slack_ms = max(0.0, slack_ms)
 
     @property
     def lowest_priority(self) -> int:
@@ -188,7 +190,7 @@ class SchedulingPolicy:
         now_ms = (now_s - self.epoch_s) * 1000.0
         if segment_index <= 0:
             return now_ms - self.first_lead_ms
-        return now_ms + min(max(0.0, buffered_ms), self.horizon_ms)
+        return now_ms + min(max(0.0, buffered_ms - self.slack_ms), self.horizon_ms)
 
     def segment_priority(self, segment_index: int, buffered_ms: float, now_s: float = 0.0) -> int:
         """vLLM priority of a segment (lower runs first).
@@ -237,11 +239,12 @@ def make_priority_fn(
     mode: PolicyMode | str = PolicyMode.DEADLINE,
     clock: Callable[[], float] = time.monotonic,
     first_lead_ms: float | None = None,
+    slack_ms: float = 0.0,
 ) -> Callable[[bool, float], int]:
     """What the gateway session takes as its priority function (drop-in for
     ``gateway.priority.default_priority_fn``). The epoch is the clock at creation, so
     priorities stay small numbers."""
-    policy = SchedulingPolicy(config, mode, epoch_s=clock(), first_lead_ms=first_lead_ms)
+    policy = SchedulingPolicy(config, mode, epoch_s=clock(), first_lead_ms=first_lead_ms, slack_ms=slack_ms)
     return policy.priority_fn(clock)
 
 

@@ -41,12 +41,13 @@ START_TIMEOUT_S = 240.0
 class ServerProcess:
     def __init__(self, engine: str, *, model_dir: str = "", policy: str = "priority",
                  overrides: dict[str, str] | None = None, start_timeout_s: float = START_TIMEOUT_S,
-                 first_lead_ms: float | None = None,
+                 first_lead_ms: float | None = None, slack_ms: float | None = None,
                  log_path: str | Path | None = None) -> None:
         self.engine = engine
         self.model_dir = model_dir
         self.policy = policy
         self.first_lead_ms = first_lead_ms
+        self.slack_ms = slack_ms
         self.overrides = dict(overrides or {})
         self.start_timeout_s = start_timeout_s
         self.url = ""
@@ -62,6 +63,8 @@ class ServerProcess:
             cmd += ["--model-dir", self.model_dir]
         if self.first_lead_ms is not None:
             cmd += ["--first-lead-ms", str(self.first_lead_ms)]
+        if self.slack_ms is not None:
+            cmd += ["--slack-ms", str(self.slack_ms)]
         for k, v in self.overrides.items():
             cmd += ["--set", f"{k}={v}"]
         self._log_file = open(self.log_path, "w")  # noqa: SIM115 - closed in __exit__
@@ -212,7 +215,8 @@ async def _child(args: argparse.Namespace) -> None:
 
         mode = "buffer" if args.policy == "buffer" else "deadline"
         lead = float(args.first_lead_ms) if args.first_lead_ms is not None else None
-        priority_fn = make_priority_fn(cfg.scheduler, mode, first_lead_ms=lead)
+        slack = float(args.slack_ms) if args.slack_ms is not None else 0.0
+        priority_fn = make_priority_fn(cfg.scheduler, mode, first_lead_ms=lead, slack_ms=slack)
     else:
         def priority_fn(first_in_utterance: bool, client_buffered_ms: float) -> int:
             return 0
@@ -237,6 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--engine", choices=ENGINES, required=True)
     p.add_argument("--policy", choices=POLICIES, default="priority")
     p.add_argument("--first-lead-ms", default=None)
+    p.add_argument("--slack-ms", default=None)
     p.add_argument("--model-dir", default="")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     args = p.parse_args(argv)

@@ -348,3 +348,12 @@ def test_priority_fn_uses_the_clock() -> None:
     now[0] += 10.0
     assert fn(False, 1_000.0) == a + 20
     assert fn(True, 0.0) == (10_000 - 4_000) // 500
+
+
+def test_slack_makes_shallow_streams_as_urgent_as_new_utterances() -> None:
+    p = SchedulingPolicy(CFG, first_lead_ms=0.0, slack_ms=2_000.0, epoch_s=0.0)
+    first = p.segment_priority(0, 0.0, now_s=30.0)
+    assert p.segment_priority(1, 1_500.0, now_s=30.0) == first  # within the slack: tie (FIFO in vLLM)
+    assert p.segment_priority(1, 1_500.0, now_s=29.0) < first  # submitted earlier: goes first
+    assert p.segment_priority(1, 3_000.0, now_s=30.0) == first + 2  # 1 s beyond the slack
+    assert p.deadline_ms(1, 1e9, 30.0) == 30_000.0 + p.horizon_ms
