@@ -56,6 +56,13 @@ def summary_table(result: dict[str, Any]) -> str:
                              f"{_fmt(s['stop_to_close_ms'])} ms after it stopped reading")
     if m["all"]["errors"]:
         extra.append(f"errors: {m['all']['errors']}")
+    sb = result.get("server_breakdown") or {}
+    if sb.get("ttfa_parts"):
+        parts = sb["ttfa_parts"]
+        extra.append("server TTFA split (/metrics, mean/p95 ms): " + ", ".join(
+            f"{k} {_fmt(v['mean_ms'], 0)}/{_fmt(v['p95_ms'], 0)}"
+            for k, v in sorted(parts.items(), key=lambda kv: ["text_wait", "queue", "engine", "send"].index(kv[0])
+                               if kv[0] in ("text_wait", "queue", "engine", "send") else 9)))
     if m["all"]["engine"]:
         extra.append("engine (utterance.done, p50/p95): " + ", ".join(
             f"{k} {_fmt(v['p50'], 1)}/{_fmt(v['p95'], 1)}" for k, v in m["all"]["engine"].items()))

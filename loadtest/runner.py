@@ -102,10 +102,12 @@ def run_plans(plans: list[SessionPlan], url: str, workers: int | None = None) ->
 
 
 def run_scenario(params: ScenarioParams, url: str, workers: int | None = None) -> dict[str, Any]:
-    from loadtest import metrics
+    from loadtest import metrics, scrape
 
     plans = build_plans(params)
+    before = scrape.scrape(url)
     raw = run_plans(plans, url, workers)
+    after = scrape.scrape(url)
     first_start = min(p.start_s for p in plans)
     active_s = max(0.001, raw["wall_s"] - first_start)
     return {
@@ -118,5 +120,6 @@ def run_scenario(params: ScenarioParams, url: str, workers: int | None = None) -
         "wall_s": raw["wall_s"],
         "metrics": metrics.compute(raw["sessions"], active_s, params.sample_rate_hz,
                                    since_s=params.burst_at_s if params.scenario == "burst" else None),
+        "server_breakdown": scrape.server_breakdown(before, after),
         "sessions": raw["sessions"],
     }
