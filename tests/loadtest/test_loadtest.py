@@ -210,3 +210,26 @@ def test_barge_in_run_measures_cancel_to_silence(tmp_path: Path, fake_gateway_ur
     assert m["cancelled"] >= 3
     assert m["cancel_to_silence_ms"]["n"] >= 3
     assert m["cancel_to_silence_ms"]["p95"] < 1_000
+
+
+def test_scrape_histogram_delta() -> None:
+    from loadtest.scrape import histogram_delta, metrics_url, parse
+
+    def text(n_fast: int, n_slow: int) -> str:
+        lines = []
+        for part in ("engine", "queue"):
+            lines += [
+                f'voicegw_ttfa_part_seconds_bucket{{le="0.1",part="{part}"}} {n_fast}',
+                f'voicegw_ttfa_part_seconds_bucket{{le="1.0",part="{part}"}} {n_fast + n_slow}',
+                f'voicegw_ttfa_part_seconds_bucket{{le="+Inf",part="{part}"}} {n_fast + n_slow}',
+                f'voicegw_ttfa_part_seconds_sum{{part="{part}"}} {0.05 * n_fast + 0.5 * n_slow}',
+                f'voicegw_ttfa_part_seconds_count{{part="{part}"}} {n_fast + n_slow}',
+            ]
+        return "# HELP x\n" + "\n".join(lines)
+
+    before, after = parse(text(10, 0)), parse(text(20, 10))
+    d = histogram_delta(before, after, "voicegw_ttfa_part_seconds", "part")
+    assert d["engine"]["n"] == 20
+    assert d["engine"]["mean_ms"] == pytest.approx((0.05 * 10 + 0.5 * 10) / 20 * 1000)
+    assert 0 < d["engine"]["p50_ms"] <= 100.0 < d["engine"]["p95_ms"] <= 1000.0
+    assert metrics_url("ws://127.0.0.1:8765/ws") == "http://127.0.0.1:8765/metrics"
