@@ -284,3 +284,21 @@ async def test_speakers_mode_with_fake_sound_card(gateway: GatewayServer, monkey
         stats = await asyncio.wait_for(utt.wait_played(), 10)
         assert c.playout.played == len(pcm) // 2 == stats.samples
     assert bytes(pcm) in bytes(played), "the sound card must get exactly the received samples"
+
+
+async def test_overlapping_cancels_and_instant_mode(gateway: GatewayServer, engine: Any) -> None:
+    async with Client(gateway.url, playback="instant") as c:
+        utt = c.speak(LONG)
+        first = await asyncio.wait_for(utt.__anext__(), 5)
+        assert first.samples > 0
+        r1, r2 = await asyncio.gather(c.cancel(), c.cancel())
+        assert r1 is not None and r2 is not None and r1["cancelled_utterances"] == [1]
+        assert r2["cancelled_utterances"] == []
+        assert [ch async for ch in utt] == [], "queued audio of a cancelled utterance is dropped"
+        assert utt.stats.cancelled
+        # the recorder's played counter equals what it took; the gateway agrees after the cancel
+        conn = next(iter(gateway.connections))
+        assert conn.session.flow.client_played(asyncio.get_running_loop().time()) == c.consumed_samples
+        nxt = c.speak("Next.")
+        assert len(await nxt.collect()) > 0 and nxt.stats.status == "ok"
+        assert await _engine_idle(engine)

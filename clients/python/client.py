@@ -186,6 +186,12 @@ class Utterance:
                 self.stats.chunks_dropped += 1
         self._wake.set()
 
+    def _drop_queued(self) -> None:
+        kept = [x for x in self._queue if not isinstance(x, AudioChunk)]
+        self._queue.clear()
+        self._queue.extend(kept)
+        self._queued_samples = 0
+
     def _finish(self, failure: VoicegwError | None = None) -> None:
         if self.done.is_set():
             return
@@ -282,8 +288,8 @@ class Client:
         self._local_seq = 0
         self._open: Utterance | None = None
         self._send_lock = asyncio.Lock()
-        self._cancel_pending = False
-        self._cancel_reply: asyncio.Future[dict[str, Any]] | None = None
+        self._cancel_replies: deque[asyncio.Future[dict[str, Any]]] = deque()
+        """cancel() calls awaiting the server's ``cancelled`` (FIFO); audio is dropped meanwhile."""
         self._session_waiter: asyncio.Future[dict[str, Any]] | None = None
         self._pong_waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._tasks: list[asyncio.Task[Any]] = []
@@ -413,8 +419,10 @@ class Client:
             u.cancelling = True
             if u.sender is not None and not u.sender.done():
                 u.sender.cancel()
+            u._drop_queued()  # audio not yet taken from speak() was cancelled too
         self._open = None
-        self._cancel_pending = True
+        reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._cancel_replies.append(reply)
         played: int | None
         if self.playback_mode in ("realtime", "speakers"):
             with self._lock:
@@ -427,11 +435,10 @@ class Client:
         msg: dict[str, Any] = {"type": P.ClientType.CANCEL.value}
         if played is not None:
             msg["played_samples"] = played
-        self._cancel_reply = asyncio.get_running_loop().create_future()
         await self._send(msg)
         try:
             async with asyncio.timeout(_CANCEL_REPLY_TIMEOUT_S):
-                return await self._cancel_reply
+                return await reply
         except TimeoutError:
             raise VoicegwError("timeout", "no reply to cancel") from None
 
@@ -547,8 +554,10 @@ class Client:
                                {"code": self.close_code, "reason": reason})
             if self._session_waiter is not None and not self._session_waiter.done():
                 self._session_waiter.set_exception(err)
-            if self._cancel_reply is not None and not self._cancel_reply.done():
-                self._cancel_reply.set_exception(err)
+            while self._cancel_replies:
+                fut = self._cancel_replies.popleft()
+                if not fut.done():
+                    fut.set_exception(err)
             self._fail_all(err, keep_received=True)
 
     def _fail_all(self, err: VoicegwError, keep_received: bool = False) -> None:
@@ -559,7 +568,7 @@ class Client:
             self._forget(u)
 
     def _on_audio(self, data: bytes) -> None:
-        if self._cancel_pending:
+        if self._cancel_replies:
             self.dropped_frames += 1
             return
         try:
@@ -603,7 +612,7 @@ class Client:
                 self._session_waiter.set_result(msg)
         elif t == P.ServerType.SEGMENT_STARTED:
             u = self._record(int(msg["utterance_id"]))
-            if u is not None and not self._cancel_pending:
+            if u is not None and not self._cancel_replies:
                 u.stats.segments.append(str(msg.get("text", "")))
         elif t == P.ServerType.UTTERANCE_DONE:
             u = self._record(int(msg["utterance_id"]))
@@ -621,7 +630,6 @@ class Client:
                 u._finish(failure)
                 self._check_played()
         elif t == P.ServerType.CANCELLED:
-            self._cancel_pending = False
             ids = set(msg.get("cancelled_utterances") or [])
             if msg.get("utterance_id") is not None:
                 ids.add(msg["utterance_id"])
@@ -634,8 +642,10 @@ class Client:
                     u._finish()
                     u.played.set()
                     self._forget(u)
-            if self._cancel_reply is not None and not self._cancel_reply.done():
-                self._cancel_reply.set_result(msg)
+            if self._cancel_replies:
+                waiter = self._cancel_replies.popleft()
+                if not waiter.done():
+                    waiter.set_result(msg)
         elif t == P.ServerType.ERROR:
             self.errors.append(msg)
             log.info("gateway error %s: %s", msg.get("code"), msg.get("message"))
