@@ -19,6 +19,7 @@ side codebook samples EOS, codebook 0 is forced to EOS so vLLM stops the request
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -175,9 +176,19 @@ class ChatTTSForVllm(nn.Module):
     ) -> torch.Tensor:
         if inputs_embeds is None:
             inputs_embeds = self._embed(input_ids)
-        return self.model(None, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
+        t0 = time.perf_counter_ns()
+        out = self.model(None, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
+        self.registry.stats["decoder_ns"] += time.perf_counter_ns() - t0
+        return out
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter_ns()
+        try:
+            return self._embed_inner(input_ids)
+        finally:
+            self.registry.stats["embed_ns"] += time.perf_counter_ns() - t0
+
+    def _embed_inner(self, input_ids: torch.Tensor) -> torch.Tensor:
         side_np, speakers, _ = self._step_plan(input_ids)
         device = input_ids.device
         is_text = input_ids < self.n_text
@@ -203,6 +214,14 @@ class ChatTTSForVllm(nn.Module):
     # ------------------------------------------------------------------ logits
 
     def compute_logits(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        t0 = time.perf_counter_ns()
+        try:
+            return self._compute_logits(hidden_states)
+        finally:
+            self.registry.stats["logits_ns"] += time.perf_counter_ns() - t0
+            self.registry.stats["steps"] += 1
+
+    def _compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         h = hidden_states.to(torch.float32)
         rows = h.shape[0]
         # [R, num_vq, A]: the four heads (weights computed once from weight norm at load).
@@ -236,7 +255,7 @@ class ChatTTSForVllm(nn.Module):
             greedy=torch.tensor([st.params.greedy for st in sts], dtype=torch.bool, device=dev),
         )
         processed = process_logits(x, torch.from_numpy(hist).to(dev), params, self.eos_code)
-        side = sample_codes(processed[:, 1:], params.greedy, [st.generator for st in sts])
+        side = sample_codes(processed[:, 1:], [st.params.greedy for st in sts], [st.generator for st in sts])
         side_eos = (side == self.eos_code).any(dim=1)
         cb0 = processed[:, 0]
         if bool(side_eos.any()):

@@ -54,23 +54,27 @@ def apply_repetition_penalty(logits: torch.Tensor, counts: torch.Tensor, penalty
     return torch.where(logits < 0, logits * alpha, logits / alpha)
 
 
-def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Nucleus filter on the last dim, HF semantics (ascending sort, keep the last 3)."""
-    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=False)
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    remove_sorted = cum <= (1.0 - top_p).view(-1, 1, 1)
-    remove_sorted[..., -MIN_TOKENS_TO_KEEP:] = False
-    remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
-    return logits.masked_fill(remove, float("-inf"))
+def apply_top_p_top_k(logits: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Top-p then top-k on the last dim with HF semantics, from ONE sort.
 
-
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Top-k filter on the last dim, HF semantics (k >= 3, ties at the k-th value kept)."""
+    Top-p (HF ``TopPLogitsWarper``): in ascending order, drop tokens whose cumulative
+    probability is <= 1 - p, keeping the last 3. The kept tokens are a prefix of the descending
+    order, so top-k (``TopKLogitsWarper``: drop scores below the k-th largest of the top-p
+    result, k >= 3) reads its threshold from the same sort. The ascending cumulative sums are
+    computed over the flipped descending sort: the same values in the same order as HF's.
+    """
     n = logits.shape[-1]
+    sorted_desc, idx_desc = torch.sort(logits, dim=-1, descending=True)
+    cum_asc = sorted_desc.flip(-1).softmax(dim=-1).cumsum(dim=-1)
+    remove_asc = cum_asc <= (1.0 - top_p).view(-1, 1, 1)
+    remove_asc[..., -MIN_TOKENS_TO_KEEP:] = False
+    remove_desc = remove_asc.flip(-1)
+    filtered_desc = sorted_desc.masked_fill(remove_desc, float("-inf"))
     k = torch.where(top_k <= 0, n, top_k).clamp(min=MIN_TOKENS_TO_KEEP, max=n)
-    sorted_desc = torch.sort(logits, dim=-1, descending=True).values
-    kth = sorted_desc.gather(-1, (k - 1).view(-1, 1, 1).expand(-1, logits.shape[1], 1))
-    return logits.masked_fill(logits < kth, float("-inf"))
+    kth = filtered_desc.gather(-1, (k - 1).view(-1, 1, 1).expand(-1, logits.shape[1], 1))
+    remove_desc = remove_desc | (filtered_desc < kth)
+    remove = torch.empty_like(remove_desc).scatter_(-1, idx_desc, remove_desc)
+    return logits.masked_fill(remove, float("-inf"))
 
 
 def process_logits(
@@ -84,8 +88,7 @@ def process_logits(
     x = logits / temp.view(-1, 1, 1)
     if bool((params.penalty != 1.0).any()):
         x = apply_repetition_penalty(x, repetition_counts(history, logits.shape[-1]), params.penalty)
-    x = apply_top_p(x, params.top_p)
-    x = apply_top_k(x, params.top_k)
+    x = apply_top_p_top_k(x, params.top_p, params.top_k)
     if bool(params.block_eos.any()):
         x[..., eos_code] = torch.where(params.block_eos.view(-1, 1), float("-inf"), x[..., eos_code])
     return x
@@ -93,26 +96,27 @@ def process_logits(
 
 def sample_codes(
     processed: torch.Tensor,
-    greedy: torch.Tensor,
+    greedy: list[bool],
     generators: list[torch.Generator | None],
 ) -> torch.Tensor:
     """One code per (row, codebook) of ``processed`` ``[R, C, N]`` -> int64 ``[R, C]``.
 
     Greedy rows take the argmax; seeded rows draw from their own generator (reproducible
-    whatever the batch); the others share the default generator.
+    whatever the batch); the others share the default generator. ``greedy`` and
+    ``generators`` are host-side, one entry per row (no device syncs per row).
     """
     rows, books, n = processed.shape
     out = processed.argmax(dim=-1)
-    if bool(greedy.all()):
+    if all(greedy):
         return out
     probs = torch.softmax(processed, dim=-1)
-    unseeded = [r for r in range(rows) if not bool(greedy[r]) and generators[r] is None]
+    unseeded = [r for r in range(rows) if not greedy[r] and generators[r] is None]
     if unseeded:
         sel = torch.tensor(unseeded, device=processed.device)
         drawn = torch.multinomial(probs[sel].reshape(-1, n), 1).view(len(unseeded), books)
         out[sel] = drawn
     for r in range(rows):
         gen = generators[r]
-        if gen is not None and not bool(greedy[r]):
+        if gen is not None and not greedy[r]:
             out[r] = torch.multinomial(probs[r], 1, generator=gen).view(books)
     return out

@@ -128,7 +128,16 @@ class BatchRegistry:
         self.step_rows: list[int] = []
         self.lock = threading.Lock()
         #: Counters for tests and debugging (read through ``worker_stats``).
-        self.stats: dict[str, int] = {"requests": 0, "resumed": 0, "recomputed_frames": 0, "sampled_frames": 0}
+        self.stats: dict[str, int] = {
+            "requests": 0,
+            "resumed": 0,
+            "recomputed_frames": 0,
+            "sampled_frames": 0,
+            "steps": 0,
+            "embed_ns": 0,
+            "decoder_ns": 0,
+            "logits_ns": 0,
+        }
 
     def _ensure(self, n: int) -> None:
         if len(self.slots) < n:
