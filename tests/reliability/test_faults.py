@@ -296,3 +296,64 @@ async def test_unresponsive_client_is_dropped_by_keepalive():
 
 def test_close_codes_used_here_are_documented() -> None:
     assert {1008, 1011} <= {int(c) for c in P.CloseCode}
+
+
+# ---- a client whose played counter goes back ------------------------------------------------------
+#
+# Found by the soak: a client that restarts ``played_samples`` from 0 for each utterance (the
+# protocol says the counter is never reset, but a buggy client is one bug away) made its 3rd
+# utterance crawl at one 40 ms frame per 1.66 s: FlowControl.on_playback keeps the larger counter,
+# but every (non-advancing) report still refreshes the report time and pulls the virtual playhead
+# back to it, so the playhead never runs: each frame sent triggers a report that freezes it for
+# another stale_report_ms. Proposed fix (gateway/flow.py, FlowControl.on_playback): ignore a report
+# whose counter is below the last one (the virtual playhead then paces that client in real time).
+
+REGRESS_TEXT = "Numbers like 3.14 and 1,000 stay whole. Then we train the model for a while, and look at the curves."
+
+
+async def _utterances_with_reports(server: Any, played_of: Any, n: int, within_s: float) -> list[float]:
+    from tests.gateway.wsclient import Client
+
+    c = await Client.open(server.ws_url)
+    await c.start()
+    took = []
+    total = 0
+    try:
+        for _ in range(n):
+            per_utt = 0
+            await c.speak(REGRESS_TEXT, piece_chars=4)
+            t0 = time.monotonic()
+            deadline = t0 + within_s
+            while True:
+                m = await c.recv_one(within_s=max(0.01, deadline - time.monotonic()))
+                if isinstance(m, dict):
+                    if m["type"] == "utterance.done":
+                        assert m["status"] == "ok"
+                        break
+                    continue
+                per_utt += m.samples
+                total += m.samples
+                await c.send({"type": "playback", "played_samples": played_of(per_utt, total)})
+            took.append(time.monotonic() - t0)
+    finally:
+        await c.close()
+    return took
+
+
+async def test_cumulative_played_counter_paces_by_the_engine(make_gateway: Any):
+    from tests.gateway.fakes import FakeSpeechEngine
+
+    async with make_gateway(FakeSpeechEngine()) as server:
+        took = await _utterances_with_reports(server, lambda per_utt, total: total, 4, within_s=5)
+        assert max(took) < 1.0, took
+
+
+@pytest.mark.xfail(strict=True, reason="gateway/flow.py FlowControl.on_playback: a regressing played counter "
+                   "freezes the virtual playhead (one frame per 1.66 s); fix in the issue-8 report")
+async def test_client_that_resets_its_played_counter_still_gets_its_utterances(make_gateway: Any):
+    from tests.gateway.fakes import FakeSpeechEngine
+
+    async with make_gateway(FakeSpeechEngine()) as server:
+        # each utterance is ~2 s of audio; a reset counter is not trusted, so real-time pacing is fine
+        took = await _utterances_with_reports(server, lambda per_utt, total: per_utt, 4, within_s=8)
+        assert max(took) < 6.0, took

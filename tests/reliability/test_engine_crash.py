@@ -1,0 +1,348 @@
+"""The real engine (ChatTTS GPT in vLLM on the tiny random checkpoint + the streaming decoder)
+behind the gateway: abrupt disconnects leave no request in vLLM; the engine-core process killed
+mid-stream fails every affected session fast and visibly, and the gateway serves again once the
+engine is back, without a gateway restart.
+
+Run under the shared heavy lock on the dev machine: ``flock /tmp/voicegw-heavy.lock pytest
+tests/reliability/test_engine_crash.py``.
+
+Restart-on-crash is not in the engine or the gateway yet. ``RestartOnCrash`` below is the
+proposed fix (a supervisor that restarts the code engine when it reports itself dead), wrapped
+around the engine in the test, so recovery is exercised and measured now;
+``test_production_engine_restarts_by_itself`` checks the unwrapped engine and is an (imperative)
+xfail until the fix lands (see the issue-8 report).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from engine.api import AudioChunk, EngineHealth, SpeechRequest
+from gateway import protocol as P
+from tests.gateway.conftest import GatewayFactory, wait_until
+from tests.gateway.wsclient import Client
+from tests.reliability.helpers import children, cmdline, fd_count, rss_bytes
+
+pytestmark = pytest.mark.vllm
+
+log = logging.getLogger("tests.reliability")
+
+TEXT = ("The engine is speaking a long answer now. It has several sentences, so that more than one "
+        "segment is in flight. Here is the third sentence. And a fourth one, to be sure. "
+        "Finally, the fifth sentence ends it.")
+
+
+# ---- the proposed fix, as a wrapper -------------------------------------------------------------
+
+
+class RestartOnCrash:
+    """A SpeechEngine that restarts its code engine when it reports itself dead.
+
+    Proposed for ``engine/speech.py`` ``ChatTTSSpeech`` (or ``VllmCodeEngine`` itself): a watchdog
+    task polls ``health()``; when the code engine is unhealthy (engine core died), it calls
+    ``code.restart()`` (close + start: a new engine-core process, warm-up included), with a
+    backoff between failed attempts. While it restarts, ``health()`` says so (``/healthz`` 503) and
+    requests fail as "engine unavailable", like during the crash itself."""
+
+    def __init__(self, speech: Any, code: Any, poll_s: float = 0.1, backoff_s: float = 1.0) -> None:
+        self._speech = speech
+        self._code = code
+        self.name = speech.name
+        self.native_sample_rate_hz = speech.native_sample_rate_hz
+        self.poll_s = poll_s
+        self.backoff_s = backoff_s
+        self.restarting = False
+        self.restarts: list[float] = []
+        """Seconds each restart took."""
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self._speech.start()
+        self._task = asyncio.create_task(self._watch(), name="engine watchdog")
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            if self._speech.health().healthy:
+                continue
+            self.restarting = True
+            t0 = time.monotonic()
+            try:
+                log.warning("engine unhealthy (%s): restarting", self._speech.health().detail)
+                await self._code.restart()
+                self.restarts.append(time.monotonic() - t0)
+                log.warning("engine restarted in %.1f s", self.restarts[-1])
+            except Exception:
+                log.exception("engine restart failed; retrying")
+                await asyncio.sleep(self.backoff_s)
+            finally:
+                self.restarting = False
+
+    def synthesize(self, request: SpeechRequest) -> AsyncIterator[AudioChunk]:
+        return self._speech.synthesize(request)  # type: ignore[no-any-return]
+
+    async def abort(self, request_id: str) -> None:
+        await self._speech.abort(request_id)
+
+    def health(self) -> EngineHealth:
+        h: EngineHealth = self._speech.health()
+        if self.restarting:
+            return EngineHealth(h.name, False, h.running_requests, "restarting after a crash")
+        return h
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._speech.close()
+
+
+# ---- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def vllm_parts(tiny_model_dir: Path) -> AsyncIterator[tuple[Any, Any]]:
+    """(ChatTTSSpeech, VllmCodeEngine), started once for the module."""
+    from engine.speech import ChatTTSSpeech, build_decoder
+    from engine.vllm.engine import VllmCodeEngine
+    from voicegw.config import EngineConfig
+
+    cfg = EngineConfig(backend="vllm", model_dir=str(tiny_model_dir), device="cpu", kv_cache_gib=0.25,
+                       max_num_seqs=16, max_model_len=1024)
+    code = VllmCodeEngine(tiny_model_dir, cfg)
+    speech = ChatTTSSpeech(code, build_decoder(cfg, str(tiny_model_dir)), cfg)
+    t0 = time.monotonic()
+    await speech.start()
+    _report("vllm-start", start_s=round(time.monotonic() - t0, 1))
+    try:
+        yield speech, code
+    finally:
+        await speech.close()
+
+
+def _report(name: str, **numbers: Any) -> None:
+    print(f"[reliability] {name}: " + ", ".join(f"{k}={v}" for k, v in numbers.items()), file=sys.stderr)
+
+
+def engine_core_pids(code: Any) -> list[int]:
+    """PIDs of the vLLM engine-core processes behind ``code`` (through vLLM's process manager;
+    the process title ``VLLM::EngineCore`` as a fallback)."""
+    with contextlib.suppress(Exception):
+        procs = code._llm.engine_core.resources.engine_manager.processes
+        pids = [p.pid for p in procs if p.is_alive()]
+        if pids:
+            return pids
+    return [p for p in children(os.getpid()) if "EngineCore" in cmdline(p)]
+
+
+def vllm_unfinished(code: Any) -> int:
+    """Requests vLLM's front end still tracks (0 when nothing leaked inside vLLM)."""
+    llm = code._llm
+    return int(llm.get_num_unfinished_requests()) if llm is not None else 0
+
+
+def shm_bytes() -> int:
+    """Bytes in /dev/shm (vLLM's shared-memory message queues live there)."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/dev/shm"):
+            with contextlib.suppress(OSError):
+                total += os.stat(os.path.join("/dev/shm", name)).st_size
+    return total
+
+
+async def _healthz(server: Any) -> tuple[int, dict[str, Any]]:
+    import orjson
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    await writer.drain()
+    from tests.reliability.rawws import read_http_response
+
+    resp = await read_http_response(reader)
+    writer.close()
+    return resp.status, orjson.loads(resp.body)
+
+
+# ---- tests --------------------------------------------------------------------------------------
+
+
+async def test_abrupt_disconnects_leave_no_request_in_vllm(vllm_parts: tuple[Any, Any],
+                                                          make_gateway: GatewayFactory):
+    speech, code = vllm_parts
+    async with make_gateway(speech, limits={"max_sessions": 64}) as server:
+
+        async def one(i: int) -> None:
+            c = await Client.open(server.ws_url)
+            await c.start(voice=i)
+            await c.speak(f"Client {i} talks. " + TEXT, end=False)
+            if i % 2 == 0:
+                while not c.frames:
+                    await c.recv_one(within_s=60)
+            c.ws.transport.abort()
+
+        await asyncio.gather(*(one(i) for i in range(4)))  # warm-up
+        assert await wait_until(lambda: speech.health().running_requests == 0, within_s=10)
+        rss0, fds0 = rss_bytes(), fd_count()
+        t0 = time.monotonic()
+        for wave in range(4):
+            await asyncio.gather(*(one(wave * 10 + i) for i in range(10)))
+        wave_s = time.monotonic() - t0
+        assert await wait_until(lambda: not server.connections, within_s=10)
+        assert await wait_until(lambda: speech.health().running_requests == 0, within_s=10), speech.health()
+        assert await wait_until(lambda: vllm_unfinished(code) == 0, within_s=10), vllm_unfinished(code)
+        rss1, fds1 = rss_bytes(), fd_count()
+        _report("vllm-abrupt-disconnects", sessions=40, wave_s=round(wave_s, 1),
+                running_requests=speech.health().running_requests, vllm_unfinished=vllm_unfinished(code),
+                rss_before_mb=round(rss0 / 2**20), rss_after_mb=round(rss1 / 2**20), fds_before=fds0,
+                fds_after=fds1)
+        assert fds1 <= fds0 + 2
+        assert rss1 - rss0 < 64 << 20  # the test process: decoder/vLLM client arenas included
+        # and the engine still works
+        c = await Client.open(server.ws_url, fast_playback=True)
+        await c.start()
+        await c.speak("Still working.")
+        assert (await c.wait_for("utterance.done", within_s=60))["status"] == "ok"
+        await c.close()
+
+
+async def _crash_scenario(server: Any, speech: Any, code: Any) -> dict[str, Any]:
+    """Three sessions mid-stream and one idle; SIGKILL the engine core. Checks what must hold
+    whatever recovers the engine; returns what the caller needs to go on."""
+    streaming = []
+    for i in range(3):
+        c = await Client.open(server.ws_url)  # no playback reports: real-time pacing, stays busy
+        await c.start(voice=100 + i)
+        await c.speak(TEXT + " " + TEXT, end=False)
+        streaming.append(c)
+    idle = await Client.open(server.ws_url, fast_playback=True)
+    await idle.start()
+    for c in streaming:
+        while not c.frames:
+            await c.recv_one(within_s=60)
+    assert speech.health().running_requests >= 3, speech.health()
+    pids = engine_core_pids(code)
+    assert len(pids) == 1, pids
+    t_kill = time.monotonic()
+    os.kill(pids[0], signal.SIGKILL)
+
+    async def fate(c: Client) -> tuple[float, float, int | None]:
+        """(error latency, close latency, close code)"""
+        t_err = t_close = float("nan")
+        with contextlib.suppress(Exception):
+            err = await c.wait_for("error", within_s=5)
+            assert err["code"] == "engine_unavailable" and err["fatal"] is True, err
+            t_err = time.monotonic() - t_kill
+        with contextlib.suppress(Exception):
+            while True:
+                await c.recv_one(within_s=5)
+        t_close = time.monotonic() - t_kill
+        return t_err, t_close, c.ws.close_code
+
+    fates = await asyncio.gather(*(fate(c) for c in streaming))
+    status, body = await _healthz(server)
+    t_health = time.monotonic() - t_kill
+    _report("engine-core-sigkill", affected_sessions=len(fates),
+            error_latency_ms=[round(1000 * f[0]) for f in fates],
+            close_latency_ms=[round(1000 * f[1]) for f in fates], close_codes=[f[2] for f in fates],
+            healthz=status, engine_healthy=body.get("engine_healthy"))
+    for t_err, t_close, code_ in fates:
+        assert code_ == 1011
+        assert t_err < 1.0 and t_close < 1.0, fates
+    assert status == 503 and body["engine_healthy"] is False and t_health < 1.5
+    assert await wait_until(lambda: speech.health().running_requests == 0, within_s=2)
+    assert len(server.connections) == 1  # the idle session is untouched
+    return {"pids": pids, "t_kill": t_kill, "idle": idle}
+
+
+async def test_engine_core_killed_mid_stream_then_supervised_restart(vllm_parts: tuple[Any, Any],
+                                                                    make_gateway: GatewayFactory):
+    speech, code = vllm_parts
+    supervised = RestartOnCrash(speech, code)
+    supervised._task = asyncio.create_task(supervised._watch())  # the engine is already started
+    shm0 = shm_bytes()
+    try:
+        async with make_gateway(supervised, limits={"max_sessions": 16}) as server:
+            rss0, fds0 = rss_bytes(), fd_count()
+            st = await _crash_scenario(server, supervised, code)
+            # recovery: the gateway keeps running; /healthz comes back; sessions work
+            assert await wait_until(lambda: supervised.health().healthy, within_s=240, interval=0.1)
+            recovered_s = time.monotonic() - st["t_kill"]
+            new_pids = engine_core_pids(code)
+            assert new_pids and set(new_pids).isdisjoint(st["pids"])
+            status, _ = await _healthz(server)
+            assert status == 200
+            idle: Client = st["idle"]
+            await idle.speak("The idle session speaks again after the engine came back.")
+            assert (await idle.wait_for("utterance.done", within_s=60))["status"] == "ok"
+            c = await Client.open(server.ws_url, fast_playback=True)
+            await c.start()
+            await c.speak("A new session after the crash.")
+            done = await c.wait_for("utterance.done", within_s=60)
+            assert done["status"] == "ok" and done["samples"] > 0
+            await c.close()
+            await idle.close()
+            assert await wait_until(lambda: vllm_unfinished(code) == 0, within_s=5)
+            rss1, fds1 = rss_bytes(), fd_count()
+            _report("engine-recovery", recovered_s=round(recovered_s, 1),
+                    restart_s=[round(x, 1) for x in supervised.restarts], old_core=st["pids"],
+                    new_core=new_pids, rss_before_mb=round(rss0 / 2**20), rss_after_mb=round(rss1 / 2**20),
+                    fds_before=fds0, fds_after=fds1, dev_shm_mb_before=round(shm0 / 2**20, 1),
+                    dev_shm_mb_after=round(shm_bytes() / 2**20, 1))
+            assert len(supervised.restarts) == 1
+            # the first restart of an AsyncLLM in a process opens 9 fds for good (eventfds/epoll/
+            # sockets of a new client: 25 -> 34, then 34 after every further crash + restart, measured)
+            assert fds1 <= fds0 + 12, (fds0, fds1)
+    finally:
+        if supervised._task is not None:
+            supervised._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await supervised._task
+
+
+async def test_production_engine_restarts_by_itself(vllm_parts: tuple[Any, Any], make_gateway: GatewayFactory):
+    """The unwrapped engine behind the production ``serve`` path: kill the engine core; a new
+    engine core must appear (restart under way) within a few seconds and serve again. Until
+    restart-on-crash lands this ends in xfail after the crash checks (which must pass)."""
+    speech, code = vllm_parts
+    from gateway.app import serve
+
+    from tests.gateway.conftest import make_config
+
+    servers: list[Any] = []
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(make_config(limits={"max_sessions": 16}), speech, stop=stop,
+                                     on_ready=servers.append, static_dir=Path(__file__).parent))
+    try:
+        assert await wait_until(lambda: bool(servers), within_s=5)
+        server = servers[0]
+        st = await _crash_scenario(server, speech, code)
+        restarted = await wait_until(lambda: bool(set(engine_core_pids(code)) - set(st["pids"])), within_s=8)
+        if not restarted:
+            await st["idle"].close()
+            pytest.xfail("no restart-on-crash: after the engine core died, no new engine core within 8 s "
+                         "(gateway keeps answering engine_unavailable/1011 and /healthz 503 until restarted)")
+        assert await wait_until(lambda: speech.health().healthy, within_s=240, interval=0.1)
+        idle: Client = st["idle"]
+        await idle.speak("Back again.")
+        assert (await idle.wait_for("utterance.done", within_s=60))["status"] == "ok"
+        await idle.close()
+        assert P.ServerType.UTTERANCE_DONE.value == "utterance.done"
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 10)
+        # a dead engine is left for the module fixture to close (the last user of it)
