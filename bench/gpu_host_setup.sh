@@ -11,10 +11,13 @@ if ! python3 -c "import sys; sys.path.insert(0, '/tmp/site'); import vllm" 2>/de
   bash .gpu6/install.sh
 fi
 if [ -d .gpuw ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpuw/*.whl 2>&1 | tail -2 || true
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site/_wheels .gpuw/*.whl && cp -rn /tmp/site/_wheels/. /tmp/site/ 2>&1 | tail -2 || true
   if [ -f .gpuw/chattts-0.2.5.tar.gz ] && [ ! -d /tmp/site/ChatTTS ]; then
     tar -xzf .gpuw/chattts-0.2.5.tar.gz -C /tmp && cp -r /tmp/chattts-0.2.5/ChatTTS /tmp/site/
   fi
+  for sd in .gpuw/encodec-*.tar.gz; do  # sdist only on PyPI; pure Python
+    [ -f "$sd" ] && [ ! -d /tmp/site/encodec ] && tar -xzf "$sd" -C /tmp && cp -r /tmp/encodec-*/encodec /tmp/site/
+  done
 fi
 mkdir -p /tmp/site/voicegw_plugin-0.1.0.dist-info
 printf 'Metadata-Version: 2.1\nName: voicegw-plugin\nVersion: 0.1.0\n' > /tmp/site/voicegw_plugin-0.1.0.dist-info/METADATA
