@@ -16,10 +16,9 @@ new utterance with nothing buffered cannot wait at all. So:
   ==========================  ======================================================
   segment                     deadline
   ==========================  ======================================================
-  first of an utterance       ``now - first_lead_ms`` (default: the whole horizon,
-                              ``priority_levels * bucket_ms``): ahead of every stream
-                              not already dry for that long
-  continuing                  ``now + client buffer`` (capped at the horizon)
+  first of an utterance       ``now - first_lead_ms`` (default 0)
+  continuing                  ``now + client buffer - slack_ms`` (slack default
+                              ``urgent_buffer_ms``), clamped to [now, now + horizon]
   ==========================  ======================================================
 
   Mode ``buffer`` is the relative variant: 0 first segment, 1 continuing with client buffer
@@ -143,15 +142,18 @@ class SchedulingPolicy:
 
     Two modes (``PolicyMode``), same inputs:
 
-    * ``deadline`` (default): a continuing segment's deadline is ``now + buffered_ms`` (when its
-      client runs dry), capped at ``now + priority_levels * bucket_ms`` (streams buffered deeper
-      than the horizon are all "far"); a first segment's is ``now - first_lead_ms``. The
-      priority is the deadline in ``bucket_ms`` units since ``epoch_s``. Deadlines do not move
-      as time passes (a client plays its buffer at the rate the clock advances), so a request
-      waiting in vLLM keeps the right place in the queue without any re-evaluation, and vLLM's
-      KV-pressure preemption picks the latest deadline. ``first_lead_ms`` (default
-      ``priority_levels * bucket_ms``) puts a new utterance ahead of every stream that is not
-      already dry for longer than that: "first segment highest" without starving anyone.
+    * ``deadline`` (default): a continuing segment's deadline is ``now + buffered_ms -
+      slack_ms`` (when its client runs dry, less ``slack_ms`` -- default
+      ``urgent_buffer_ms`` -- for the time from getting a batch slot to first audio), clamped
+      to ``[now, now + priority_levels * bucket_ms]`` (streams buffered deeper than the horizon
+      are all "far"); a first segment's is ``now - first_lead_ms`` (default 0: as urgent as a
+      stream about to run dry, more urgent than any stream with audio in hand, and after
+      older requests already due). The priority is the deadline in ``bucket_ms`` units since
+      ``epoch_s``. Deadlines do not move as time passes (a client plays its buffer at the rate
+      the clock advances), so a request waiting in vLLM keeps the right place in the queue
+      without any re-evaluation, and vLLM's KV-pressure preemption picks the latest deadline.
+      ``first_lead_ms = priority_levels * bucket_ms`` is "first segment always first": measured
+      on CPU it starved playing streams (bench/RESULTS.md), so it is not the default.
     * ``buffer``: the relative buckets of the module docstring (0 first segment, 1 urgent,
       2..priority_levels by buffer). Simple, but a waiting request's priority is frozen at
       submission while its client drains, so it needs ``reevaluate`` + resubmission.
@@ -163,8 +165,8 @@ class SchedulingPolicy:
         mode: PolicyMode | str = PolicyMode.DEADLINE,
         promote_levels: int = 1,
         epoch_s: float = 0.0,
-        first_lead_ms: float | None = None,
-        slack_ms: float = 0.0,
+        first_lead_ms: float = 0.0,
+        slack_ms: float | None = None,
     ) -> None:
         self.config = config or SchedulerConfig()
         if self.config.priority_levels < 1:
@@ -177,8 +179,8 @@ class SchedulingPolicy:
         self.promote_levels = promote_levels
         self.epoch_s = epoch_s
         self.horizon_ms = self.config.priority_levels * self.config.bucket_ms
-        self.first_lead_ms = self.horizon_ms if first_lead_ms is None else max(0.0, first_lead_ms)
-        self.slack_ms = max(0.0, slack_ms)
+        self.first_lead_ms = max(0.0, first_lead_ms)
+        self.slack_ms = self.config.urgent_buffer_ms if slack_ms is None else max(0.0, slack_ms)
 
     @property
     def lowest_priority(self) -> int:
@@ -238,8 +240,8 @@ def make_priority_fn(
     config: SchedulerConfig | None = None,
     mode: PolicyMode | str = PolicyMode.DEADLINE,
     clock: Callable[[], float] = time.monotonic,
-    first_lead_ms: float | None = None,
-    slack_ms: float = 0.0,
+    first_lead_ms: float = 0.0,
+    slack_ms: float | None = None,
 ) -> Callable[[bool, float], int]:
     """What the gateway session takes as its priority function (drop-in for
     ``gateway.priority.default_priority_fn``). The epoch is the clock at creation, so

@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     _server_flags(c, "vllm")
     c.add_argument("--baseline", choices=ENGINES, default="native", help="the other engine")
     c.add_argument("--concurrency", default="10,20", help="comma-separated session counts")
+    c.add_argument("--reuse", action="store_true",
+                   help="reuse per-level results already in --out (compare-<engine>-c<N>.json) instead of rerunning")
     c.add_argument("--out", default="out/loadtest", help="output directory")
     return p
 

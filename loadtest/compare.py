@@ -14,6 +14,7 @@ sessions speaking back to back for ``--duration`` seconds. Reported per (engine,
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,15 @@ def run_compare(args: argparse.Namespace, levels: list[int],
     runs: list[tuple[str, dict[str, Any]]] = []
     servers: dict[str, Any] = {}
     for engine in (args.serve, args.baseline):
+        saved = [out / f"compare-{engine}-c{c}.json" for c in levels]
+        if getattr(args, "reuse", False) and all(p.exists() for p in saved):
+            for c, path in zip(levels, saved, strict=True):
+                result = json.loads(path.read_text())
+                rows.append(_row(engine, c, result, result["server"].get("rss_peak_mib")))
+                runs.append((f"{engine} c={c}", result))
+                servers[engine] = result["server"]
+            print(f"{engine}: reused {', '.join(map(str, saved))}", flush=True)
+            continue
         with ServerProcess(engine, model_dir=args.model_dir, policy=args.policy, overrides=overrides) as srv:
             servers[engine] = srv.info()
             for c in levels:

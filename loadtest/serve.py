@@ -214,8 +214,8 @@ async def _child(args: argparse.Namespace) -> None:
         from engine.scheduler import make_priority_fn
 
         mode = "buffer" if args.policy == "buffer" else "deadline"
-        lead = float(args.first_lead_ms) if args.first_lead_ms is not None else None
-        slack = float(args.slack_ms) if args.slack_ms is not None else 0.0
+        lead = float(args.first_lead_ms) if args.first_lead_ms is not None else 0.0
+        slack = float(args.slack_ms) if args.slack_ms is not None else None
         priority_fn = make_priority_fn(cfg.scheduler, mode, first_lead_ms=lead, slack_ms=slack)
     else:
         def priority_fn(first_in_utterance: bool, client_buffered_ms: float) -> int:

@@ -290,17 +290,19 @@ def test_buffer_mode_priority_fn_matches_gateway_default_on_first_segments() -> 
 def test_deadline_mode_is_default_and_uses_absolute_time() -> None:
     p = SchedulingPolicy(CFG, epoch_s=100.0)
     assert p.mode is PolicyMode.DEADLINE
-    # continuing: deadline = now + buffer, in 500 ms buckets since the epoch
-    assert p.segment_priority(1, 700.0, now_s=110.0) == (10_000 + 700) // 500
-    # first segment: now - horizon (8 x 500 ms)
-    assert p.segment_priority(0, 0.0, now_s=110.0) == (10_000 - 4_000) // 500
+    assert p.first_lead_ms == 0.0 and p.slack_ms == CFG.urgent_buffer_ms
+    # continuing: deadline = now + buffer - slack, in 500 ms buckets since the epoch
+    assert p.segment_priority(1, 1_300.0, now_s=110.0) == (10_000 + 1_000) // 500
+    assert p.segment_priority(1, 100.0, now_s=110.0) == 10_000 // 500  # never before now
+    # first segment: now
+    assert p.segment_priority(0, 0.0, now_s=110.0) == 10_000 // 500
     # horizon caps deep buffers
-    assert p.segment_priority(1, 1e9, now_s=110.0) == p.segment_priority(1, 4_000.0, now_s=110.0)
+    assert p.segment_priority(1, 1e9, now_s=110.0) == p.segment_priority(1, 4_300.0, now_s=110.0)
 
 
 def test_deadline_priority_does_not_drift_while_the_client_plays() -> None:
     """The reason for deadline mode: a waiting request keeps its place with no re-evaluation."""
-    p = SchedulingPolicy(CFG)
+    p = SchedulingPolicy(CFG, slack_ms=0.0)
     sent = 24_000 * 3
     at_submit = p.segment_priority(1, client_buffered_ms(sent, 0, 24_000, 0.0), now_s=50.0)
     for dt in (0.25, 1.0, 2.0, 2.9):
@@ -310,7 +312,7 @@ def test_deadline_priority_does_not_drift_while_the_client_plays() -> None:
 
 
 def test_deadline_orders_old_shallow_before_new_deep() -> None:
-    p = SchedulingPolicy(CFG)
+    p = SchedulingPolicy(CFG, slack_ms=0.0)
     old = p.segment_priority(1, 3_000.0, now_s=10.0)  # needed at 13 s
     new_deep = p.segment_priority(1, 3_500.0, now_s=11.0)  # needed at 14.5 s
     new_shallow = p.segment_priority(1, 0.0, now_s=12.0)  # needed at 12 s
@@ -318,7 +320,7 @@ def test_deadline_orders_old_shallow_before_new_deep() -> None:
 
 
 def test_first_segment_beats_everything_not_long_dry() -> None:
-    p = SchedulingPolicy(CFG)
+    p = SchedulingPolicy(CFG, first_lead_ms=4_000.0, slack_ms=0.0)  # "first segment always first"
     first = p.segment_priority(0, 0.0, now_s=20.0)
     assert first < p.segment_priority(1, 0.0, now_s=20.0)
     assert first < p.segment_priority(1, 0.0, now_s=17.0)  # dry for 3 s < horizon 4 s
@@ -343,11 +345,19 @@ def test_deadline_priority_monotone(t: float, a: float, b: float) -> None:
 def test_priority_fn_uses_the_clock() -> None:
     now = [1_000.0]
     fn = make_priority_fn(CFG, clock=lambda: now[0])
-    a = fn(False, 1_000.0)
-    assert a == 2  # epoch = creation time: (0 + 1000) // 500
+    a = fn(False, 1_300.0)
+    assert a == 2  # epoch = creation time: (0 + 1300 - 300) // 500
     now[0] += 10.0
-    assert fn(False, 1_000.0) == a + 20
-    assert fn(True, 0.0) == (10_000 - 4_000) // 500
+    assert fn(False, 1_300.0) == a + 20
+    assert fn(True, 0.0) == 10_000 // 500
+
+
+def test_default_ordering_new_utterance_vs_playing_streams() -> None:
+    p = SchedulingPolicy(CFG, epoch_s=0.0)
+    first = p.segment_priority(0, 0.0, now_s=50.0)
+    assert first < p.segment_priority(1, 1_500.0, now_s=50.0)  # stream with audio in hand waits
+    assert first == p.segment_priority(1, 200.0, now_s=50.0)  # about to run dry: tie, FIFO
+    assert p.segment_priority(1, 1_500.0, now_s=48.0) < first  # older request already due: first
 
 
 def test_slack_makes_shallow_streams_as_urgent_as_new_utterances() -> None:
