@@ -178,7 +178,13 @@ class VoicegwPlayer extends AudioWorkletProcessor {
       this.underruns++;
       this.targetMs = Math.min(this.maxTargetMs, this.targetMs + this.stepMs);
       this.state = "prebuffering";
-      this.port.postMessage({ type: "underrun", underruns: this.underruns, targetMs: this.targetMs });
+      this.port.postMessage({
+        type: "underrun",
+        underruns: this.underruns,
+        targetMs: this.targetMs,
+        playedSamples: this.played,
+        contextTime: currentTime,
+      });
     }
   }
 

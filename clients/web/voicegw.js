@@ -109,7 +109,7 @@ export class VoiceGateway extends EventTarget {
     this._localSeq = 0;
     this._byId = new Map(); // server utterance id -> record
     this._maxId = 0;
-    this._cancelPending = false;
+    this._cancelReplies = []; // resolvers of cancel() calls awaiting the server's `cancelled`, FIFO
     this._hold = null; // outgoing messages held while a cancel waits for the worklet
     this._cancelSeq = 0;
     this._cancelWaiters = new Map();
@@ -247,7 +247,7 @@ export class VoiceGateway extends EventTarget {
    * {utteranceId, status, ttfaMs, playStartMs, samples, durationMs, underruns, cancelled, heardText}.
    */
   async speak(source) {
-    if (this._open) this.end(); // the typed utterance goes first; this one queues behind it
+    if (this._open) this.end().catch(() => {}); // the typed utterance goes first; this one queues behind it
     for await (const piece of textPieces(source)) {
       if (this.closed) break;
       this.sendText(piece);
@@ -265,8 +265,8 @@ export class VoiceGateway extends EventTarget {
     if (!this.ws || this.ws.readyState !== 1) return Promise.resolve(null);
     this._open = null;
     for (const u of this._utterances) u.cancelling = true;
-    this._cancelPending = true; // drop audio frames until the server's `cancelled`
-    const reply = new Promise((resolve) => (this._cancelResolve = resolve));
+    // audio frames are dropped while a cancel awaits its `cancelled` (see _onAudio)
+    const reply = new Promise((resolve) => this._cancelReplies.push(resolve));
     if (!this.node) {
       this._send({ type: T.CANCEL });
       return reply;
@@ -386,7 +386,6 @@ export class VoiceGateway extends EventTarget {
         break;
       }
       case S.CANCELLED: {
-        this._cancelPending = false;
         const ids = new Set(msg.cancelled_utterances || []);
         if (msg.utterance_id != null) ids.add(msg.utterance_id);
         for (const u of this._utterances.slice()) {
@@ -394,8 +393,8 @@ export class VoiceGateway extends EventTarget {
             this._settle(u, { cancelled: true, heardText: msg.heard_text });
           }
         }
-        if (this._cancelResolve) this._cancelResolve(msg);
-        this._cancelResolve = null;
+        const resolve = this._cancelReplies.shift();
+        if (resolve) resolve(msg);
         this._emit("cancelled", msg);
         break;
       }
@@ -423,7 +422,7 @@ export class VoiceGateway extends EventTarget {
 
   _onAudio(buf) {
     if (buf.byteLength < HEADER_BYTES) return;
-    if (this._cancelPending) {
+    if (this._cancelReplies.length > 0) {
       this.stats.droppedFrames++;
       return;
     }
@@ -545,7 +544,7 @@ export class VoiceGateway extends EventTarget {
       if (u.done && this.node) continue; // already fully received: let it play out
       this._settle(u, null, err);
     }
-    if (this._cancelResolve) this._cancelResolve(null);
+    for (const resolve of this._cancelReplies.splice(0)) resolve(null);
     this._emit("close", { code: e.code, reason: e.reason });
   }
 }

@@ -53,6 +53,22 @@ def engine_kind() -> str:
     return os.environ.get("VOICEGW_BROWSER_ENGINE") or os.environ.get("VOICEGW_TEST_ENGINE") or "espeak"
 
 
+def build_chattts_speech(backend: str, model_dir: str) -> Any:
+    """ChatTTSSpeech (code engine + streaming decoder) for ``backend`` on ``model_dir``: through
+    ``engine.factory.create_speech_engine`` when it exists, else assembled here."""
+    from voicegw.config import EngineConfig
+
+    cfg = EngineConfig(backend=backend, model_dir=model_dir, device="cpu", kv_cache_gib=1.0)
+    try:
+        from engine.factory import create_speech_engine  # type: ignore[attr-defined,unused-ignore]
+    except ImportError:
+        from engine.factory import create_code_engine
+        from engine.speech import ChatTTSSpeech, build_decoder
+
+        return ChatTTSSpeech(create_code_engine(cfg, model_dir), build_decoder(cfg, model_dir), cfg)
+    return create_speech_engine(cfg)
+
+
 @pytest.fixture(scope="module")
 async def speech_engine(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
     """The SpeechEngine behind the gateway (switch with VOICEGW_BROWSER_ENGINE / VOICEGW_TEST_ENGINE)."""
@@ -66,14 +82,8 @@ async def speech_engine(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
         from tests.gateway.fakes import FakeSpeechEngine
 
         eng = FakeSpeechEngine()
-    else:  # a backend of engine.factory: vllm, reference (tiny random ChatTTS checkpoint)
-        from engine.factory import create_speech_engine  # type: ignore[attr-defined,import-not-found,unused-ignore]
-        from voicegw.config import EngineConfig
-
-        fields: dict[str, Any] = {"backend": kind, "device": "cpu", "kv_cache_gib": 1.0}
-        if kind in ("vllm", "reference"):
-            fields["model_dir"] = str(request.getfixturevalue("tiny_model_dir"))
-        eng = create_speech_engine(EngineConfig(**fields))
+    else:  # a ChatTTS backend (vllm, reference) on the tiny random checkpoint
+        eng = build_chattts_speech(kind, str(request.getfixturevalue("tiny_model_dir")))
     await eng.start()
     yield eng
     await eng.close()

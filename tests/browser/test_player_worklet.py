@@ -82,7 +82,8 @@ async def test_underrun_counting_and_adaptive_target(page: Any, gateway: Any) ->
         """
     )
     assert out["startedEarly"] is False
-    assert out["u1"] == {"type": "underrun", "underruns": 1, "targetMs": 100}
+    u1 = out["u1"]
+    assert (u1["type"], u1["underruns"], u1["targetMs"], u1["playedSamples"]) == ("underrun", 1, 100, 960 + 2400)
     d = out["drained"]
     assert d["underruns"] == 3 == out["underrunMsgs"]
     assert d["targetMs"] == 140  # 80 + 3 x 20, capped at maxTargetMs

@@ -7,12 +7,21 @@ AudioWorklet plays (and reports) in real time like on a sound card.
 from __future__ import annotations
 
 import asyncio
+import os
 import urllib.request
 from typing import Any
 
 import pytest
 
+from tests.browser.conftest import engine_kind
+
 pytestmark = pytest.mark.browser
+
+# The client's prebuffer target (80 ms by default, like the page); VOICEGW_BROWSER_PREBUFFER_MS
+# raises it for engines that do not keep real time on this machine.
+PREBUFFER_MS = int(os.environ.get("VOICEGW_BROWSER_PREBUFFER_MS", "80"))
+#: Engines whose audio length follows the text (a random-weight ChatTTS checkpoint stops at random).
+PREDICTABLE = engine_kind() in ("espeak", "fake")
 
 TEXT = "Hello there! This is the browser client speaking. It plays audio while text still arrives."
 
@@ -25,6 +34,10 @@ async ({text, opts, tokens, msPerToken}) => {
   window.gw = gw;
   const reports = [];
   gw.addEventListener("report", (e) => reports.push(e.detail));
+  const t0 = performance.now();
+  const timeline = [];  // for failure messages: when segments started and underruns happened
+  const note = (k) => (e) => timeline.push([Math.round(performance.now() - t0), k, e.detail.segment ?? e.detail.playedSamples ?? e.detail.ms]);
+  for (const k of ["segment", "ttfa", "playing", "underrun"]) gw.addEventListener(k, note(k));
   let source = text;
   if (tokens) {
     source = (async function* () {
@@ -35,11 +48,19 @@ async ({text, opts, tokens, msPerToken}) => {
     })();
   }
   const result = await gw.speak(source);
+  // speak() resolves once every sample is consumed; the worklet flags the drain on its next
+  // render quantum: wait for that report
+  if (!reports.some((r) => r.drained)) {
+    await Promise.race([
+      new Promise((res) => gw.addEventListener("drained", res, { once: true })),
+      new Promise((res) => setTimeout(res, 1000)),
+    ]);
+  }
   const last = reports[reports.length - 1];
   const stats = { ...gw.stats };
   const contextRate = gw.contextSampleRate;
   await gw.close();
-  return { session, result, last, stats, contextRate, nReports: reports.length };
+  return { session, result, last, stats, contextRate, nReports: reports.length, timeline };
 }
 """
 
@@ -64,7 +85,7 @@ def _check_clean_run(out: dict[str, Any]) -> None:
     # the worklet played exactly what the server sent, with no underrun
     assert last["drained"] is True
     assert last["playedSamples"] == r["serverSamples"] == stats["receivedSamples"], (last, r)
-    assert last["underruns"] == 0 and stats["underruns"] == 0, last
+    assert last["underruns"] == 0 and stats["underruns"] == 0, (last, out["timeline"])
     assert r["ttfaMs"] is not None and 0 < r["ttfaMs"] < 2000, r
     assert out["nReports"] >= 2
 
@@ -76,7 +97,7 @@ def _check_clean_run(out: dict[str, Any]) -> None:
 )
 async def test_played_equals_sent_no_underruns(page: Any, gateway: Any, rate: int, context_rate: int | None) -> None:
     await page.goto(gateway.url + "/")
-    opts: dict[str, Any] = {"sampleRate": rate}
+    opts: dict[str, Any] = {"sampleRate": rate, "prebufferMs": PREBUFFER_MS}
     if context_rate:
         opts["contextSampleRate"] = context_rate
     out = await page.evaluate(SPEAK_JS, {"text": TEXT, "opts": opts, "tokens": False, "msPerToken": 0})
@@ -100,7 +121,8 @@ async def _assert_server_saw_reports(gateway: Any) -> None:
 async def test_llm_token_stream(page: Any, gateway: Any) -> None:
     await page.goto(gateway.url + "/")
     out = await page.evaluate(
-        SPEAK_JS, {"text": TEXT, "opts": {"sampleRate": 24_000}, "tokens": True, "msPerToken": 30}
+        SPEAK_JS,
+        {"text": TEXT, "opts": {"sampleRate": 24_000, "prebufferMs": PREBUFFER_MS}, "tokens": True, "msPerToken": 30},
     )
     _check_clean_run(out)
 
@@ -153,7 +175,7 @@ async def test_cancel_silences_within_100ms(page: Any, gateway: Any, speech_engi
     c = out["cancelled"]
     assert c["type"] == "cancelled" and c["utterance_id"] == out["result"]["utteranceId"]
     assert 0 < c["played_ms"] < c["sent_ms"] <= c["generated_ms"] + 1e-6
-    assert c["heard_text"].startswith("Hello there")
+    assert c["heard_text"] and long_text.startswith(c["heard_text"]), c
     assert out["after"]["playedSamples"] == out["playedAtCancel"], "playback continued after cancel"
     assert out["after"]["peak"] == 0
     # the engine stopped generating
@@ -232,6 +254,11 @@ async def test_demo_stream_as_i_type_and_stop(page: Any, gateway: Any) -> None:
     await page.click("#stop")
     await page.wait_for_function("window.voicegwDemo.lastCancel", timeout=5_000)
     heard = await page.text_content("#heard")
-    assert heard and heard.startswith("Hello there")
+    assert heard and TEXT.startswith(heard), heard
     await page.wait_for_function("window.voicegwDemo.results.length >= 2", timeout=5_000)
-    assert (await page.evaluate("window.voicegwDemo.results[1].status")) == "cancelled"
+    status = await page.evaluate("window.voicegwDemo.results[1].status")
+    reply = await page.evaluate("window.voicegwDemo.lastCancel.reply")
+    if PREDICTABLE or reply["cancelled_utterances"]:
+        assert status == "cancelled", (status, reply)
+    else:  # a random checkpoint may have finished the utterance before the click
+        assert status == "ok", (status, reply)
