@@ -18,9 +18,10 @@ Checks (exit status 1 when one fails; the same checks back ``test_soak.py``):
   with ``utterance.done`` status ``ok``; no ``error`` other than the one provoked on purpose;
 * after the run, once idle: no session, no running engine request (``/healthz``);
 * fds: final <= baseline + ``--fd-bound`` (default 4);
-* RSS: final <= baseline + ``--rss-bound-mb`` (default 32 MiB), where the baseline is taken when
-  the warm-up (the first 10% of the run, at least 20 s, at most 5 minutes) ends; the RSS slope
-  over the steady part is reported (MiB/hour) and, for runs of 30 minutes or more, bounded by
+* RSS: final <= baseline + ``--rss-bound-mb`` (default 32 MiB). Baseline and final are taken
+  with the gateway idle (no session): the baseline after a warm-up of the same traffic (the first
+  10% of the run, at least 20 s, at most 5 minutes), the final after the run. The RSS slope over
+  the measured part is reported (MiB/hour) and, for runs of 30 minutes or more, bounded by
   ``--slope-bound-mb-per-h`` (default 16).
 """
 
@@ -255,24 +256,33 @@ async def run_soak(*, minutes: float = 10.0, engine: str = "espeak", clients: in
 
         st = asyncio.create_task(sampler())
         rng = random.Random(seed)
-        loops = [asyncio.create_task(_client_loop(gw.ws_url, random.Random(rng.random()), until, stats))
-                 for _ in range(clients)]
-        await asyncio.gather(*loops)
+
+        async def traffic(until: float) -> None:
+            await asyncio.gather(*(_client_loop(gw.ws_url, random.Random(rng.random()), until, stats)
+                                   for _ in range(clients)))
+
+        async def idle() -> dict[str, Any]:
+            """Every session gone, every engine request finished; then a moment for the loop."""
+            h: dict[str, Any] = {}
+            for _ in range(300):
+                _, h = await asyncio.to_thread(gw.healthz)
+                if h.get("sessions") == 0 and h.get("running_requests") == 0:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)
+            return h
+
+        # warm-up traffic, then the baseline at idle; the measured run; the final state at idle
+        await traffic(t0 + warmup_s)
+        await idle()
+        base_rss, base_fds, t_base = gw.rss(), gw.fds(), time.monotonic() - t0
+        await traffic(until)
         stop.set()
         await st
-        # idle: every session gone, every engine request finished
-        health: dict[str, Any] = {}
-        for _ in range(200):
-            _, health = await asyncio.to_thread(gw.healthz)
-            if health.get("sessions") == 0 and health.get("running_requests") == 0:
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(1.0)
+        health = await idle()
         final_rss, final_fds = gw.rss(), gw.fds()
-        warm = [s for s in samples if s.t_s <= warmup_s] or samples[:1]
-        steady = [s for s in samples if s.t_s >= warmup_s]
-        baseline = warm[-1]
-        growth = final_rss - baseline.rss_bytes
+        steady = [s for s in samples if s.t_s >= t_base]
+        growth = final_rss - base_rss
         slope = _slope_mb_per_h(steady)
         failures = []
         if stats.lost:
@@ -281,8 +291,8 @@ async def run_soak(*, minutes: float = 10.0, engine: str = "espeak", clients: in
             failures.append(f"{len(stats.unexpected)} unexpected events: {stats.unexpected[:3]}")
         if health.get("sessions") != 0 or health.get("running_requests") != 0:
             failures.append(f"not idle after the run: {health}")
-        if final_fds > baseline.fds + fd_bound:
-            failures.append(f"fds {baseline.fds} -> {final_fds} (bound +{fd_bound})")
+        if final_fds > base_fds + fd_bound:
+            failures.append(f"fds {base_fds} -> {final_fds} (bound +{fd_bound})")
         if growth > rss_bound_mb * 2**20:
             failures.append(f"RSS grew {growth / 2**20:.1f} MiB (bound {rss_bound_mb})")
         if minutes >= 30 and slope > slope_bound_mb_per_h:
@@ -291,7 +301,7 @@ async def run_soak(*, minutes: float = 10.0, engine: str = "espeak", clients: in
             failures.append("no utterance completed")
         if not gw.alive():
             failures.append("gateway process died")
-        return Report(engine, minutes, clients, stats, samples, baseline.rss_bytes, final_rss, baseline.fds,
+        return Report(engine, minutes, clients, stats, samples, base_rss, final_rss, base_fds,
                       final_fds, growth, slope, health,
                       {"rss_bound_mb": rss_bound_mb, "fd_bound": fd_bound,
                        "slope_bound_mb_per_h": slope_bound_mb_per_h, "warmup_s": warmup_s}, failures)
