@@ -16,8 +16,8 @@ from engine.checkpoint import load_spec, sha256_map, speaker_stat, upstream_conf
 
 
 def load_upstream_chat(model_dir: str | Path, device: str = "cpu"):  # -> ChatTTS.Chat
-    import torch
     import ChatTTS
+    import torch
 
     spec = load_spec(model_dir)
     cfgs = upstream_configs(spec)

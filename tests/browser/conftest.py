@@ -50,43 +50,10 @@ def chromium_path() -> str | None:
 
 
 def engine_kind() -> str:
-    return os.environ.get("VOICEGW_BROWSER_ENGINE") or os.environ.get("VOICEGW_TEST_ENGINE") or "espeak"
+    """The session's engine (``speech_engine`` in tests/conftest.py; VOICEGW_TEST_ENGINE)."""
+    from tests.conftest import ENGINE_KIND
 
-
-def build_chattts_speech(backend: str, model_dir: str) -> Any:
-    """ChatTTSSpeech (code engine + streaming decoder) for ``backend`` on ``model_dir``: through
-    ``engine.factory.create_speech_engine`` when it exists, else assembled here."""
-    from voicegw.config import EngineConfig
-
-    cfg = EngineConfig(backend=backend, model_dir=model_dir, device="cpu", kv_cache_gib=1.0)
-    try:
-        from engine.factory import create_speech_engine  # type: ignore[attr-defined,unused-ignore]
-    except ImportError:
-        from engine.factory import create_code_engine
-        from engine.speech import ChatTTSSpeech, build_decoder
-
-        return ChatTTSSpeech(create_code_engine(cfg, model_dir), build_decoder(cfg, model_dir), cfg)
-    return create_speech_engine(cfg)
-
-
-@pytest.fixture(scope="module")
-async def speech_engine(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
-    """The SpeechEngine behind the gateway (switch with VOICEGW_BROWSER_ENGINE / VOICEGW_TEST_ENGINE)."""
-    kind = engine_kind()
-    eng: Any
-    if kind == "espeak":
-        from engine.espeak import EspeakSpeech
-
-        eng = EspeakSpeech()
-    elif kind == "fake":
-        from tests.gateway.fakes import FakeSpeechEngine
-
-        eng = FakeSpeechEngine()
-    else:  # a ChatTTS backend (vllm, reference) on the tiny random checkpoint
-        eng = build_chattts_speech(kind, str(request.getfixturevalue("tiny_model_dir")))
-    await eng.start()
-    yield eng
-    await eng.close()
+    return ENGINE_KIND
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 
 from engine.api import AudioChunk, EngineHealth, SpeechEngine, SpeechRequest
 from tests.dialects.tls import make_cert
-from tests.gateway.conftest import fake_engine, make_gateway, speech_engine  # noqa: F401 (fixtures)
+from tests.gateway.conftest import make_gateway  # noqa: F401 (fixture)
 
 
 @dataclass

@@ -1,11 +1,8 @@
 """Gateway test fixtures.
 
-``speech_engine`` is THE engine of the integration tests. It is the sine-tone test double unless
-``VOICEGW_TEST_ENGINE`` names a backend: ``vllm`` or ``reference`` (ChatTTSSpeech on the tiny random
-checkpoint, built like ``voicegw.runtime.build_speech_engine`` does), or ``espeak``/``auto``
-(through ``build_speech_engine``). Run the ChatTTS ones under ``flock /tmp/voicegw-heavy.lock``
-with ``VLLM_CPU_KVCACHE_SPACE=1``.
-Tests that need the double's knobs (failure injection, exact lengths) use ``fake_engine``.
+``speech_engine`` (tests/conftest.py) is THE engine of the integration tests: by default the real
+ChatTTS-on-vLLM engine on the tiny random checkpoint; ``VOICEGW_TEST_ENGINE=fake|espeak|reference``
+switches it. Tests that need the double's knobs (failure injection, exact lengths) use ``fake_engine``.
 """
 
 from __future__ import annotations
@@ -13,50 +10,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 from engine.api import SpeechEngine
 from gateway.server import GatewayServer
 from gateway.session import SessionSettings
-from tests.gateway.fakes import FakeSpeechEngine
 from voicegw.config import Config, GatewayConfig, LimitsConfig
 
-ENGINE_KIND = os.environ.get("VOICEGW_TEST_ENGINE", "fake")
-
-
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def speech_engine(request: pytest.FixtureRequest) -> AsyncIterator[SpeechEngine]:
-    if ENGINE_KIND == "fake":
-        engine: SpeechEngine = FakeSpeechEngine()
-    elif ENGINE_KIND in ("vllm", "reference"):
-        # ChatTTS on the tiny random checkpoint: what voicegw.runtime.build_speech_engine builds
-        from engine.factory import create_code_engine
-        from engine.speech import ChatTTSSpeech, build_decoder
-        from voicegw.config import EngineConfig
-
-        model_dir = str(request.getfixturevalue("tiny_model_dir"))
-        ecfg = EngineConfig(backend=ENGINE_KIND, model_dir=model_dir, device="cpu", kv_cache_gib=1.0,
-                            max_model_len=1024)
-        engine = ChatTTSSpeech(create_code_engine(ecfg, model_dir), build_decoder(ecfg, model_dir), ecfg)
-    else:
-        from voicegw.config import Config, EngineConfig
-        from voicegw.runtime import build_speech_engine
-
-        engine = build_speech_engine(Config(engine=EngineConfig(backend=ENGINE_KIND, device="cpu")))
-    await engine.start()
-    yield engine
-    await engine.close()
-
-
-@pytest.fixture
-def fake_engine() -> FakeSpeechEngine:
-    return FakeSpeechEngine()
+# ``speech_engine`` (THE engine of the integration tests, VOICEGW_TEST_ENGINE) and ``fake_engine``
+# live in tests/conftest.py, shared by every test directory (one engine per test session).
 
 
 def make_config(gateway: dict[str, Any] | None = None, limits: dict[str, Any] | None = None) -> Config:

@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gateway.conftest import (  # noqa: F401  (fixtures re-exported for this directory)
-    fake_engine,
-    make_gateway,
-    speech_engine,
-)
+from tests.gateway.conftest import make_gateway  # noqa: F401  (fixture re-exported for this directory)
 
 
 def pytest_configure(config: pytest.Config) -> None:
