@@ -40,6 +40,15 @@ class HttpResponse:
     headers: dict[str, str]
     """Header names lower-cased; repeated headers joined with ", "."""
     body: bytes = b""
+    raw_headers: list[tuple[str, str]] = field(default_factory=list)
+
+    def values(self, name: str) -> list[str]:
+        return [v for k, v in self.raw_headers if k == name.lower()]
+
+    @property
+    def conflicting_length(self) -> bool:
+        """More than one Content-Length value (a malformed response, RFC 9112 6.3)."""
+        return len(set(self.values("content-length"))) > 1
 
 
 @dataclass
@@ -135,16 +144,19 @@ async def read_http_response(reader: asyncio.StreamReader, within_s: float = 5.0
         lines = head.decode("latin-1").split("\r\n")
         _, status, *reason = lines[0].split(" ", 2)
         headers: dict[str, str] = {}
+        raw: list[tuple[str, str]] = []
         for line in lines[1:]:
             if not line:
                 continue
             k, _, v = line.partition(":")
             k = k.strip().lower()
+            raw.append((k, v.strip()))
             headers[k] = f"{headers[k]}, {v.strip()}" if k in headers else v.strip()
-        body = b""
-        if int(status) != 101 and "content-length" in headers:
-            body = await reader.readexactly(int(headers["content-length"]))
-        return HttpResponse(int(status), reason[0] if reason else "", headers, body)
+        resp = HttpResponse(int(status), reason[0] if reason else "", headers, b"", raw)
+        lengths = resp.values("content-length")
+        if int(status) != 101 and lengths and not resp.conflicting_length:
+            resp.body = await reader.readexactly(int(lengths[0]))
+        return resp
 
 
 @dataclass
