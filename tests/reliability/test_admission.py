@@ -8,6 +8,7 @@ import contextlib
 import logging
 import socket
 import string
+import time
 from typing import Any
 
 import pytest
@@ -571,3 +572,48 @@ async def test_ping_flood_fix_bounds_the_buffer(make_gateway: GatewayFactory, mo
         peak, dropped = await _ping_flood(server, 8 << 20)
         assert dropped and peak < 2 << 20, (peak, dropped)
         await assert_still_serving(server)
+
+
+# ---- the HTTP (non-GET) door: POST /v1/audio/speech (gateway/dialects/front.py) -------------------
+
+_AUTH_LINE = f"Authorization: Bearer {TOKEN}\r\n".encode()
+_POST = b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\n"
+
+HTTP_DOOR: list[tuple[str, bytes, int]] = [
+    ("huge-content-length-no-body", _POST + _AUTH_LINE + b"Content-Length: 1000000000000\r\n\r\n", 413),
+    ("chunked-over-the-cap", _POST + _AUTH_LINE + b"Transfer-Encoding: chunked\r\n\r\n"
+     + (b"10000\r\n" + b"a" * 65536 + b"\r\n") * 4, 413),
+    ("no-token", _POST + b"Content-Length: 2\r\n\r\n{}", 401),
+    ("wrong-token", _POST + b"Authorization: Bearer nope\r\nContent-Length: 2\r\n\r\n{}", 401),
+    ("not-json", _POST + _AUTH_LINE + b"Content-Length: 5\r\n\r\n{{{{{", 400),
+    ("two-content-lengths", _POST + _AUTH_LINE + b"Content-Length: 5\r\nContent-Length: 6\r\n\r\n{}", 400),
+    ("put", b"PUT / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", 405),
+]
+
+
+@pytest.mark.parametrize("request_bytes,expected", [pytest.param(b, c, id=i) for i, b, c in HTTP_DOOR])
+async def test_http_door_refuses_hostile_requests(request_bytes: bytes, expected: int,
+                                                  make_gateway: GatewayFactory):
+    async with make_gateway(FakeSpeechEngine(), gateway={**AUTH, "open_timeout_s": 1.0}) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(request_bytes)
+        await writer.drain()
+        resp = await read_http_response(reader, within_s=3)
+        writer.transport.abort()
+        assert resp.status == expected
+        assert not resp.conflicting_length
+        assert not server.connections
+        await assert_still_serving(server, additional_headers=OK_HEADERS)
+
+
+async def test_http_door_drops_a_stalled_body(make_gateway: GatewayFactory):
+    """Half a body, then silence: 408 after open_timeout_s, nothing left behind."""
+    async with make_gateway(FakeSpeechEngine(), gateway={**AUTH, "open_timeout_s": 1.0}) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(_POST + _AUTH_LINE + b'Content-Length: 100\r\n\r\n{"in')
+        await writer.drain()
+        t0 = time.monotonic()
+        resp = await read_http_response(reader, within_s=4)
+        writer.transport.abort()
+        assert resp.status == 408 and time.monotonic() - t0 < 2.5
+        assert not server.connections
