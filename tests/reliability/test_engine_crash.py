@@ -1,16 +1,17 @@
 """The real engine (ChatTTS GPT in vLLM on the tiny random checkpoint + the streaming decoder)
-behind the gateway: abrupt disconnects leave no request in vLLM; the engine-core process killed
-mid-stream fails every affected session fast and visibly, and the gateway serves again once the
-engine is back, without a gateway restart.
+behind the gateway: abrupt disconnects leave no request in vLLM; a decompression-bomb voice must
+not stall other sessions; the engine-core process killed mid-stream fails every affected session
+fast and visibly, and the gateway serves again once the engine is back, without a gateway restart.
 
-Run under the shared heavy lock on the dev machine: ``flock /tmp/voicegw-heavy.lock pytest
-tests/reliability/test_engine_crash.py``.
+The engine is the test session's one vLLM engine (``vllm_engine`` in tests/conftest.py); the
+module restarts it if it leaves it dead. Run under the shared heavy lock on the dev machine:
+``flock /tmp/voicegw-heavy.lock pytest tests/reliability/test_engine_crash.py``.
 
 Restart-on-crash is not in the engine or the gateway yet. ``RestartOnCrash`` below is the
-proposed fix (a supervisor that restarts the code engine when it reports itself dead), wrapped
-around the engine in the test, so recovery is exercised and measured now;
-``test_production_engine_restarts_by_itself`` checks the unwrapped engine and is an (imperative)
-xfail until the fix lands (see the issue-8 report).
+proposed fix (a watchdog that restarts the code engine when it reports itself dead); the crash
+test uses it when the engine does not come back by itself, so recovery is exercised and measured
+now, and ``test_engine_restarts_by_itself_after_a_crash`` is an (imperative) xfail until the fix
+lands (see the issue-8 report).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import pytest
 import pytest_asyncio
 
 from engine.api import AudioChunk, EngineHealth, SpeechRequest
-from gateway import protocol as P
 from tests.gateway.conftest import GatewayFactory, wait_until
 from tests.gateway.wsclient import Client
 from tests.reliability.helpers import children, cmdline, fd_count, rss_bytes
@@ -114,23 +114,24 @@ class RestartOnCrash:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def vllm_parts(tiny_model_dir: Path) -> AsyncIterator[tuple[Any, Any]]:
-    """(ChatTTSSpeech, VllmCodeEngine), started once for the module."""
+async def vllm_parts(vllm_engine: Any, parity_model_dir: Path) -> AsyncIterator[tuple[Any, Any]]:
+    """(ChatTTSSpeech, VllmCodeEngine): the test session's vLLM engine (tests/conftest.py, shared
+    with every other test) behind a decoder of this module's own. Killing its engine core is
+    destructive: the module leaves the engine healthy again (restarted) for whatever runs next."""
     from engine.speech import ChatTTSSpeech, build_decoder
-    from engine.vllm.engine import VllmCodeEngine
-    from voicegw.config import EngineConfig
+    from tests.conftest import _Borrowed, session_engine_config
 
-    cfg = EngineConfig(backend="vllm", model_dir=str(tiny_model_dir), device="cpu", kv_cache_gib=0.25,
-                       max_num_seqs=16, max_model_len=1024)
-    code = VllmCodeEngine(tiny_model_dir, cfg)
-    speech = ChatTTSSpeech(code, build_decoder(cfg, str(tiny_model_dir)), cfg)
-    t0 = time.monotonic()
-    await speech.start()
-    _report("vllm-start", start_s=round(time.monotonic() - t0, 1))
+    ecfg = session_engine_config()
+    speech = ChatTTSSpeech(_Borrowed(vllm_engine), build_decoder(ecfg, str(parity_model_dir)), ecfg)
+    await speech.start()  # the decoder; the code engine is the session's (already started)
     try:
-        yield speech, code
+        yield speech, vllm_engine
     finally:
-        await speech.close()
+        if not vllm_engine.health().healthy:
+            t0 = time.monotonic()
+            await vllm_engine.restart()
+            _report("vllm-restored-for-the-session", restart_s=round(time.monotonic() - t0, 1))
+        await speech.close()  # the decoder only (_Borrowed: close is the owner's business)
 
 
 def _report(name: str, **numbers: Any) -> None:
@@ -194,12 +195,12 @@ async def test_abrupt_disconnects_leave_no_request_in_vllm(vllm_parts: tuple[Any
                     await c.recv_one(within_s=60)
             c.ws.transport.abort()
 
-        await asyncio.gather(*(one(i) for i in range(4)))  # warm-up
+        await asyncio.gather(*(one(100 + i) for i in range(4)))  # warm-up
         assert await wait_until(lambda: speech.health().running_requests == 0, within_s=10)
         rss0, fds0 = rss_bytes(), fd_count()
         t0 = time.monotonic()
-        for wave in range(4):
-            await asyncio.gather(*(one(wave * 10 + i) for i in range(10)))
+        for wave in range(8):  # 5 at a time: the session engine's KV cache is small (6 blocks)
+            await asyncio.gather(*(one(wave * 5 + i) for i in range(5)))
         wave_s = time.monotonic() - t0
         assert await wait_until(lambda: not server.connections, within_s=10)
         assert await wait_until(lambda: speech.health().running_requests == 0, within_s=10), speech.health()
@@ -305,18 +306,31 @@ async def _crash_scenario(server: Any, speech: Any, code: Any) -> dict[str, Any]
     return {"pids": pids, "t_kill": t_kill, "idle": idle}
 
 
-async def test_engine_core_killed_mid_stream_then_supervised_restart(vllm_parts: tuple[Any, Any],
-                                                                    make_gateway: GatewayFactory):
+CRASH: dict[str, Any] = {}
+"""What the crash test saw, for test_engine_restarts_by_itself_after_a_crash."""
+
+
+async def test_engine_core_killed_mid_stream_then_recovery(vllm_parts: tuple[Any, Any],
+                                                          make_gateway: GatewayFactory):
+    """SIGKILL the engine core under three streaming sessions and an idle one: the streaming ones
+    get ``engine_unavailable`` + 1011 within 1 s, /healthz turns 503, nothing stays running. Then
+    recovery without restarting the gateway: by the engine itself if it restarts (checked for
+    8 s), else by ``RestartOnCrash`` (the proposed fix); /healthz 200 again, the idle session and
+    a new one speak."""
     speech, code = vllm_parts
-    supervised = RestartOnCrash(speech, code)
-    supervised._task = asyncio.create_task(supervised._watch())  # the engine is already started
     shm0 = shm_bytes()
-    try:
-        async with make_gateway(supervised, limits={"max_sessions": 16}) as server:
-            rss0, fds0 = rss_bytes(), fd_count()
-            st = await _crash_scenario(server, supervised, code)
-            # recovery: the gateway keeps running; /healthz comes back; sessions work
-            assert await wait_until(lambda: supervised.health().healthy, within_s=240, interval=0.1)
+    watchdog: asyncio.Task[None] | None = None
+    async with make_gateway(speech, limits={"max_sessions": 16}) as server:
+        rss0, fds0 = rss_bytes(), fd_count()
+        st = await _crash_scenario(server, speech, code)
+        self_restarted = await wait_until(lambda: bool(set(engine_core_pids(code)) - set(st["pids"])),
+                                          within_s=8)
+        CRASH["self_restarted"] = self_restarted
+        supervised = RestartOnCrash(speech, code)
+        try:
+            if not self_restarted:
+                watchdog = asyncio.create_task(supervised._watch())  # the engine is already started
+            assert await wait_until(lambda: speech.health().healthy, within_s=240, interval=0.1)
             recovered_s = time.monotonic() - st["t_kill"]
             new_pids = engine_core_pids(code)
             assert new_pids and set(new_pids).isdisjoint(st["pids"])
@@ -324,62 +338,37 @@ async def test_engine_core_killed_mid_stream_then_supervised_restart(vllm_parts:
             assert status == 200
             idle: Client = st["idle"]
             await idle.speak("The idle session speaks again after the engine came back.")
-            assert (await idle.wait_for("utterance.done", within_s=60))["status"] == "ok"
+            assert (await idle.wait_for("utterance.done", within_s=90))["status"] == "ok"
             c = await Client.open(server.ws_url, fast_playback=True)
             await c.start()
             await c.speak("A new session after the crash.")
-            done = await c.wait_for("utterance.done", within_s=60)
+            done = await c.wait_for("utterance.done", within_s=90)
             assert done["status"] == "ok" and done["samples"] > 0
             await c.close()
             await idle.close()
             assert await wait_until(lambda: vllm_unfinished(code) == 0, within_s=5)
+            assert await wait_until(lambda: speech.health().running_requests == 0, within_s=5)
             rss1, fds1 = rss_bytes(), fd_count()
-            _report("engine-recovery", recovered_s=round(recovered_s, 1),
-                    restart_s=[round(x, 1) for x in supervised.restarts], old_core=st["pids"],
-                    new_core=new_pids, rss_before_mb=round(rss0 / 2**20), rss_after_mb=round(rss1 / 2**20),
-                    fds_before=fds0, fds_after=fds1, dev_shm_mb_before=round(shm0 / 2**20, 1),
-                    dev_shm_mb_after=round(shm_bytes() / 2**20, 1))
-            assert len(supervised.restarts) == 1
+            _report("engine-recovery", by="engine itself" if self_restarted else "RestartOnCrash (proposed fix)",
+                    recovered_s=round(recovered_s, 1), restart_s=[round(x, 1) for x in supervised.restarts],
+                    old_core=st["pids"], new_core=new_pids, rss_before_mb=round(rss0 / 2**20),
+                    rss_after_mb=round(rss1 / 2**20), fds_before=fds0, fds_after=fds1,
+                    dev_shm_mb_before=round(shm0 / 2**20, 1), dev_shm_mb_after=round(shm_bytes() / 2**20, 1))
             # the first restart of an AsyncLLM in a process opens 9 fds for good (eventfds/epoll/
             # sockets of a new client: 25 -> 34, then 34 after every further crash + restart, measured)
             assert fds1 <= fds0 + 12, (fds0, fds1)
-    finally:
-        if supervised._task is not None:
-            supervised._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await supervised._task
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watchdog
 
 
-async def test_production_engine_restarts_by_itself(vllm_parts: tuple[Any, Any], make_gateway: GatewayFactory):
-    """The unwrapped engine behind the production ``serve`` path: kill the engine core; a new
-    engine core must appear (restart under way) within a few seconds and serve again. Until
-    restart-on-crash lands this ends in xfail after the crash checks (which must pass)."""
-    speech, code = vllm_parts
-    from gateway.app import serve
-    from tests.gateway.conftest import make_config
-
-    servers: list[Any] = []
-    stop = asyncio.Event()
-    task = asyncio.create_task(serve(make_config(limits={"max_sessions": 16}), speech, stop=stop,
-                                     on_ready=servers.append, static_dir=Path(__file__).parent))
-    try:
-        assert await wait_until(lambda: bool(servers), within_s=5)
-        server = servers[0]
-        st = await _crash_scenario(server, speech, code)
-        restarted = await wait_until(lambda: bool(set(engine_core_pids(code)) - set(st["pids"])), within_s=8)
-        if not restarted:
-            await st["idle"].close()
-            pytest.xfail("no restart-on-crash: after the engine core died, no new engine core within 8 s "
-                         "(gateway keeps answering engine_unavailable/1011 and /healthz 503 until restarted)")
-        assert await wait_until(lambda: speech.health().healthy, within_s=240, interval=0.1)
-        idle: Client = st["idle"]
-        await idle.speak("Back again.")
-        assert (await idle.wait_for("utterance.done", within_s=60))["status"] == "ok"
-        await idle.close()
-        assert P.ServerType.UTTERANCE_DONE.value == "utterance.done"
-    finally:
-        stop.set()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 10)
-        # a dead engine is left for the module fixture to close (the last user of it)
-
+async def test_engine_restarts_by_itself_after_a_crash() -> None:
+    """Restart-on-crash in the product (not the test's RestartOnCrash): read from the crash test."""
+    if "self_restarted" not in CRASH:
+        pytest.skip("the crash test did not get that far")
+    if not CRASH["self_restarted"]:
+        pytest.xfail("no restart-on-crash: after the engine core died no new engine core appeared within 8 s; "
+                     "the gateway answers engine_unavailable/1011 and /healthz 503 until it is restarted "
+                     "(fix: a restart watchdog in ChatTTSSpeech/VllmCodeEngine, see the issue-8 report)")
