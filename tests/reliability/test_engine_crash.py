@@ -286,7 +286,7 @@ async def _crash_scenario(server: Any, speech: Any, code: Any) -> dict[str, Any]
     pids = engine_core_pids(code)
     assert len(pids) == 1, pids
     live = vllm_request_ids(code)
-    affected = [c for c in streaming if any(r.startswith(c.started["session_id"] + "-") for r in live)]
+    affected = [c for c in streaming if any(r.startswith(f"{(c.started or {}).get('session_id')}-") for r in live)]
     assert affected, f"no request in flight in vLLM at the kill: {live}"
     t_kill = time.monotonic()
     os.kill(pids[0], signal.SIGKILL)
