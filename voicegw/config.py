@@ -95,6 +95,10 @@ class EngineConfig:
     """vLLM: no torch.compile / CUDA graphs (fast start on CPU; turn off on GPU)."""
     async_scheduling: bool = False
     """vLLM async scheduling (GPU only)."""
+    data_parallel_size: int = 1
+    """vLLM data parallelism: this many independent engine replicas (one GPU each, each with its own
+    KV cache and scheduler) behind the one gateway; vLLM's client spreads requests over them by load.
+    The decoder still runs in the gateway process on the first GPU. 1: off."""
     max_model_len: int = 2048
     """vLLM max sequence length (prompt + steps)."""
     first_chunk_steps: int = 6
@@ -283,6 +287,8 @@ def _validate(section: str, name: str, value: Any) -> None:
         raise ConfigError(f"engine.decoder_lookahead_steps: must be >= -1 (-1 = exact), got {value!r}")
     if key == ("engine", "decoder_torch_threads") and value < 0:
         raise ConfigError(f"engine.decoder_torch_threads: must be >= 0, got {value!r}")
+    if key == ("engine", "data_parallel_size") and value < 1:
+        raise ConfigError(f"engine.data_parallel_size: must be >= 1, got {value!r}")
     if key == ("engine", "decoder_batch_wait_ms") and value < 0:
         raise ConfigError(f"engine.decoder_batch_wait_ms: must be >= 0, got {value!r}")
 

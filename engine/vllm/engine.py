@@ -150,14 +150,14 @@ class VllmCodeEngine:
             if self._kv_cache_bytes:
                 args["kv_cache_memory_bytes"] = self._kv_cache_bytes
             args["async_scheduling"] = self.cfg.async_scheduling
-        if self.cfg.data_parallel_size > 1:
-            # vLLM's internal load balancing: one engine-core process per rank, requests routed
-            # to the least loaded one (dense model: ranks step independently, no collective).
-            args["data_parallel_size"] = self.cfg.data_parallel_size
             if not self.cfg.enforce_eager:
                 # Our forward builds the input embedding on the host side of the step (side
                 # codes, speaker): keep it outside CUDA graphs (the decoder stack is captured).
                 args["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+        if self.cfg.data_parallel_size > 1:
+            # vLLM's internal load balancing: one engine-core process per rank, requests routed
+            # to the least loaded one (dense model: ranks step independently, no collective).
+            args["data_parallel_size"] = self.cfg.data_parallel_size
         args.update(self._extra_args)
         known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
         dropped = sorted(k for k in args if k not in known)
