@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--utterance-chars", type=int, default=120)
     p.add_argument("--background-chars", type=int, default=600)
     p.add_argument("--tokens-per-s", type=float, default=40.0)
-    p.add_argument("--repeats", type=int, default=1, help="scenario runs per policy (same server)")
+    p.add_argument("--repeats", type=int, default=1, help="scenario runs per server start")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="server starts per policy, interleaved across policies (P1 P2 P1 P2 ...)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-arg", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--out", default="out/bench/scheduling")
@@ -175,21 +177,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides[k] = v
     rows: list[dict[str, Any]] = []
     runs: list[tuple[str, dict[str, Any]]] = []
+    all_results: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+    servers: dict[str, dict[str, Any]] = {}
+    for rnd in range(args.rounds):  # rounds interleave the policies: slow drifts of a shared machine hit all
+        for policy in policies:
+            name, lead, slack = _policy_spec(policy, args.first_lead_ms, args.slack_ms)
+            with ServerProcess(args.engine, model_dir=args.model_dir, policy=name, overrides=overrides,
+                               first_lead_ms=lead, slack_ms=slack) as srv:
+                for rep in range(args.repeats):
+                    k = rnd * args.repeats + rep
+                    params = dataclasses.replace(base, seed=args.seed + k)
+                    r = run_scenario(params, srv.url)
+                    all_results[policy].append(r)
+                    report.write_json(r, out / f"raw-{policy}-run{k}.json")
+                    print(f"{policy} run {k + 1}/{args.repeats * args.rounds}: burst TTFA p99 "
+                          f"{r['metrics']['roles'].get('burst', {}).get('ttfa_ms', {}).get('p99')} ms", flush=True)
+                servers[policy] = srv.info()
     for policy in policies:
-        results = []
-        name, lead, slack = _policy_spec(policy, args.first_lead_ms, args.slack_ms)
-        with ServerProcess(args.engine, model_dir=args.model_dir, policy=name, overrides=overrides,
-                           first_lead_ms=lead, slack_ms=slack) as srv:
-            for rep in range(args.repeats):
-                params = dataclasses.replace(base, seed=args.seed + rep)
-                r = run_scenario(params, srv.url)
-                results.append(r)
-                report.write_json(r, out / f"raw-{policy}-run{rep}.json")
-                print(f"{policy} run {rep + 1}/{args.repeats}: burst TTFA p99 "
-                      f"{r['metrics']['roles'].get('burst', {}).get('ttfa_ms', {}).get('p99')} ms", flush=True)
-            server = srv.info()
-        row = _summary(policy, results, base.burst_at_s, base.sample_rate_hz, server)
-        rows.append(row)
+        results = all_results[policy]
+        rows.append(_summary(policy, results, base.burst_at_s, base.sample_rate_hz, servers[policy]))
         runs.append((policy, {"sessions": _merge(results)}))
     table = _table(rows)
     by = {r["policy"]: r for r in rows}
@@ -224,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"Scenario: {args.background} sessions speaking long answers back to back; {args.bursts} bursts of "
             f"{args.sessions} new sessions (first burst at {args.burst_at:.0f} s, every {args.burst_every:.0f} s), "
             f"LLM text at {args.tokens_per_s:.0f} tokens/s; engine.max_num_seqs={args.max_num_seqs}; "
-            f"{args.repeats} run(s) per policy. TTFA = first audio byte at the client minus first text sent; "
+            f"{args.rounds} round(s) x {args.repeats} run(s) per policy, rounds interleaved. TTFA = first audio byte at the client minus first text sent; "
             "server share = from the text that completed the first segment. Playing streams = the background "
             "sessions, counted from the first burst on. (private) = underruns that did not hit at least half "
             "of the other playing streams at the same moment; all-stream stalls = those that did (the whole "
