@@ -97,6 +97,12 @@ def plot(runs: Sequence[tuple[str, dict[str, Any]]], path: str | Path, title: st
             t, lv = zip(*s["levels"], strict=True)
             role_i = roles.index(s["role"]) if s["role"] in roles else 0
             ax2.plot(t, lv, styles[ri % 4], color=colors[role_i % len(colors)], lw=0.7, alpha=0.6)
+    all_v = [r["ttfa_ms"] for _, res in runs for r in utterance_rows(res["sessions"]) if r["ttfa_ms"]]
+    if all_v and max(all_v) / max(1.0, min(all_v)) > 30:
+        ax1.set_xscale("log")
+    if not any(lv for _, res in runs for s in res["sessions"] for _, lv in s["levels"]):
+        ax2.text(0.5, 0.5, "clients consumed audio at once (instant playback):\nno buffer to show",
+                 ha="center", va="center", transform=ax2.transAxes)
     ax1.set_xlabel("time to first audio (ms)")
     ax1.set_ylabel("fraction of utterances")
     ax1.set_title("TTFA CDF")
