@@ -128,6 +128,7 @@ CLIENT = textwrap.dedent(
 
 async def test_clients_sigkilled_mid_stream(gw: GatewayProcess):
     _settled(gw)
+    fds0, rss0 = gw.fds(), gw.rss()
     procs = []
     for _ in range(4):
         procs.append(await asyncio.create_subprocess_exec(
@@ -164,8 +165,12 @@ async def test_clients_sigkilled_mid_stream(gw: GatewayProcess):
         assert m["type"] != "error", m
     await survivor.close()
     h, settle_s = await _asettled(gw)
-    _report("sigkill-clients", killed=4, sessions_gone_s=round(cleanup_s, 3), running_requests=h["running_requests"])
+    await asyncio.sleep(0.2)
+    fds1, rss1 = gw.fds(), gw.rss()
+    _report("sigkill-clients", killed=4, sessions_gone_s=round(cleanup_s, 3), running_requests=h["running_requests"],
+            fds_before=fds0, fds_after=fds1, rss_before_mb=round(rss0 / 2**20, 1), rss_after_mb=round(rss1 / 2**20, 1))
     assert cleanup_s < 2.0
+    assert fds1 <= fds0 + FD_SLACK and rss1 - rss0 < RSS_SLACK_BYTES
 
 
 # ---- 1,000 abrupt disconnects ----------------------------------------------------------------------
