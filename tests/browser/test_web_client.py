@@ -20,6 +20,9 @@ pytestmark = pytest.mark.browser
 # The client's prebuffer target (80 ms by default, like the page); VOICEGW_BROWSER_PREBUFFER_MS
 # raises it for engines that do not keep real time on this machine.
 PREBUFFER_MS = int(os.environ.get("VOICEGW_BROWSER_PREBUFFER_MS", "80"))
+# Underruns tolerated in a "clean" run (default 0). A CPU-only vLLM engine on a shared machine
+# may not keep real time at utterance starts: VOICEGW_BROWSER_MAX_UNDERRUNS makes that explicit.
+MAX_UNDERRUNS = int(os.environ.get("VOICEGW_BROWSER_MAX_UNDERRUNS", "0"))
 #: Engines whose audio length follows the text (a random-weight ChatTTS checkpoint stops at random).
 PREDICTABLE = engine_kind() in ("espeak", "fake")
 
@@ -85,7 +88,7 @@ def _check_clean_run(out: dict[str, Any]) -> None:
     # the worklet played exactly what the server sent, with no underrun
     assert last["drained"] is True
     assert last["playedSamples"] == r["serverSamples"] == stats["receivedSamples"], (last, r)
-    assert last["underruns"] == 0 and stats["underruns"] == 0, (last, out["timeline"])
+    assert last["underruns"] <= MAX_UNDERRUNS and stats["underruns"] == last["underruns"], (last, out["timeline"])
     assert r["ttfaMs"] is not None and 0 < r["ttfaMs"] < 2000, r
     assert out["nReports"] >= 2
 
@@ -210,7 +213,7 @@ async def test_speak_again_after_cancel(page: Any, gateway: Any) -> None:
     assert out["r1"]["cancelled"] is True
     r2 = out["second"]
     assert r2["status"] == "ok" and r2["samples"] == r2["serverSamples"] > 0, r2
-    assert r2["underruns"] == 0
+    assert r2["underruns"] <= MAX_UNDERRUNS
 
 
 async def test_demo_page_shows_ttfa(page: Any, gateway: Any) -> None:
@@ -223,7 +226,7 @@ async def test_demo_page_shows_ttfa(page: Any, gateway: Any) -> None:
     assert ttfa is not None and ttfa.strip().isdigit(), ttfa
     result = await page.evaluate("window.voicegwDemo.results[0]")
     assert result["status"] == "ok" and abs(int(ttfa) - result["ttfaMs"]) <= 1
-    assert (await page.text_content("#underruns")) == "0"
+    assert int(await page.text_content("#underruns") or "-1") <= MAX_UNDERRUNS
     played, received = (await page.text_content("#samples") or "").split(" / ")
     assert int(played) == int(received) == result["samples"]
 
