@@ -347,7 +347,6 @@ def make_checkpoint(
 
     Deterministic from ``seed``: the same call writes byte-identical files.
     """
-    import engine  # noqa: F401  (torch companion shim before vocos/chattts/transformers)
     import torch
     from ChatTTS.model.dvae import DVAE
     from ChatTTS.model.embed import Embed
@@ -356,6 +355,8 @@ def make_checkpoint(
     from vocos.feature_extractors import MelSpectrogramFeatures
     from vocos.heads import ISTFTHead
     from vocos.models import VocosBackbone
+
+    import engine  # noqa: F401  (torch companion shim before vocos/chattts/transformers)
 
     spec = SIZES[size] if isinstance(size, str) else size
     out = Path(out_dir)
