@@ -359,8 +359,8 @@ def kill_stale_children(state_dir: Path) -> list[int]:
             try:
                 cmd = Path(f"/proc/{pgid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
-                continue
-            if "voicegw" in cmd or "bench" in cmd or "gpu_e2e" in cmd:
+                cmd = None  # leader gone: the rest of its group (engine cores) may still run
+            if cmd is None or "voicegw" in cmd or "bench" in cmd or "gpu_e2e" in cmd:
                 _killpg_quiet(pgid, signal.SIGKILL)
                 killed.append(pgid)
     path.unlink(missing_ok=True)
