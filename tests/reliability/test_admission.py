@@ -617,3 +617,42 @@ async def test_http_door_drops_a_stalled_body(make_gateway: GatewayFactory):
         writer.transport.abort()
         assert resp.status == 408 and time.monotonic() - t0 < 2.5
         assert not server.connections
+
+
+# ---- dialect WebSockets: credentials at the handshake ---------------------------------------------
+#
+# ElevenLabs clients may send their key in the first message, so gateway/dialects/__init__.py
+# accepts an ElevenLabs handshake that carries no credential at all. Until that first message the
+# connection holds a session seat, and nothing bounds the wait but limits.idle_timeout_s (300 s):
+# a client without any token can fill max_sessions with silent connections.
+
+ELEVENLABS_PATH = "/v1/text-to-speech/21m00Tcm4TlvDq8ikWAM/stream-input"
+
+
+async def test_dialect_handshake_with_a_wrong_key_is_401(make_gateway: GatewayFactory):
+    async with make_gateway(FakeSpeechEngine(), gateway=AUTH) as server:
+        for path in (ELEVENLABS_PATH, "/v1/speak"):
+            status, _, _ = await _status(server.port, path=path, headers={"xi-api-key": "wrong"},
+                                         subprotocols=None)
+            assert status == 401, path
+        assert not server.connections
+
+
+@pytest.mark.xfail(strict=True, reason="gateway/dialects: an ElevenLabs WebSocket without credentials holds a "
+                   "session seat until idle_timeout_s; fix in the issue-8 report")
+async def test_unauthenticated_dialect_socket_cannot_hold_seats(make_gateway: GatewayFactory):
+    gw = {**AUTH, "open_timeout_s": 1.0}
+    async with make_gateway(FakeSpeechEngine(), gateway=gw, limits={"max_sessions": 2}) as server:
+        squatters = []
+        for _ in range(2):
+            conn = await RawConn.open("127.0.0.1", server.port, path=ELEVENLABS_PATH, subprotocols=None,
+                                      expect_status=None)
+            squatters.append(conn)
+        statuses = [c.response.status for c in squatters]
+        try:
+            # a key-less connection must not outlive the opening deadline (nor keep a seat)
+            assert statuses != [101, 101] or await wait_until(lambda: not server.connections, within_s=3)
+            await assert_still_serving(server, additional_headers=OK_HEADERS)
+        finally:
+            for c in squatters:
+                c.abort()
