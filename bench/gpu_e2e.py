@@ -1177,7 +1177,7 @@ def render_markdown(d: dict[str, Any]) -> str:
                              "| | | | | | |")
         starts = {b: s for run in fl.get("runs", []) for b, s in (run.get("start_s") or {}).items()}
         if starts:
-            lines += ["", "Engine start (incl. CUDA graph capture and warm-up): "
+            lines += ["", "Engine start (incl. warm-up, and graph capture when compiled): "
                       + ", ".join(f"{b} {s:.0f} s" for b, s in starts.items()) + "."]
         lines.append("")
     for key, title in (("e2e", "Gateway end to end, one vLLM engine"), ("dp", "Gateway with vLLM data parallelism")):
