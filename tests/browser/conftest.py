@@ -1,15 +1,8 @@
 """Browser fixtures: a real gateway on 127.0.0.1 (random port) and Debian chromium via Playwright.
 
-The speech engine comes from ONE fixture, ``speech_engine``; pick it with the environment variable
-``VOICEGW_BROWSER_ENGINE``:
-
-* ``espeak`` (default): ``engine.espeak.EspeakSpeech``, real speech, offline.
-* ``fake``: ``tests.gateway.fakes.FakeSpeechEngine`` (sine tone paced like an engine).
-* ``vllm`` / ``reference``: the real ChatTTS engine on the tiny random checkpoint (session fixture
-  ``tiny_model_dir``) through ``engine.factory.create_speech_engine``, like tests/gateway (run it
-  under ``flock /tmp/voicegw-heavy.lock``).
-
-``VOICEGW_TEST_ENGINE`` (the gateway tests' switch) is used when ``VOICEGW_BROWSER_ENGINE`` is unset.
+The speech engine is the session's ``speech_engine`` (tests/conftest.py): ChatTTS-on-vLLM on the
+tiny checkpoint by default; ``VOICEGW_TEST_ENGINE`` = ``reference`` | ``espeak`` | ``fake``
+switches it. Runs with the real engine are heavy: ``flock /tmp/voicegw-heavy.lock pytest ...``.
 
 Chromium: ``/usr/lib/chromium/chromium`` (Debian package ``chromium``), never ``playwright install``.
 Tests skip when it is not installed.

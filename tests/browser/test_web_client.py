@@ -17,9 +17,11 @@ from tests.browser.conftest import engine_kind
 
 pytestmark = pytest.mark.browser
 
-# The client's prebuffer target (80 ms by default, like the page); VOICEGW_BROWSER_PREBUFFER_MS
-# raises it for engines that do not keep real time on this machine.
-PREBUFFER_MS = int(os.environ.get("VOICEGW_BROWSER_PREBUFFER_MS", "80"))
+# The client's prebuffer target: the page's 80 ms, or 300 ms for ChatTTS-on-vLLM on CPU, whose
+# first chunks (6 steps = 128 ms, then growing) come slower than real time on a busy 2-core
+# machine (measured: 80 ms -> 1-11 underruns per utterance, 300 ms -> none).
+# VOICEGW_BROWSER_PREBUFFER_MS overrides.
+PREBUFFER_MS = int(os.environ.get("VOICEGW_BROWSER_PREBUFFER_MS") or (300 if engine_kind() == "vllm" else 80))
 # Underruns tolerated in a "clean" run (default 0). A CPU-only vLLM engine on a shared machine
 # may not keep real time at utterance starts: VOICEGW_BROWSER_MAX_UNDERRUNS makes that explicit.
 MAX_UNDERRUNS = int(os.environ.get("VOICEGW_BROWSER_MAX_UNDERRUNS", "0"))
@@ -193,9 +195,9 @@ async def test_speak_again_after_cancel(page: Any, gateway: Any) -> None:
     await page.goto(gateway.url + "/")
     out = await page.evaluate(
         """
-        async (text) => {
+        async ({ text, prebufferMs }) => {
           const { VoiceGateway } = await import("/voicegw.js");
-          const gw = new VoiceGateway(undefined, { sampleRate: 24000 });
+          const gw = new VoiceGateway(undefined, { sampleRate: 24000, prebufferMs });
           await gw.connect();
           const first = gw.speak(text + " " + text);
           await new Promise((resolve) => gw.addEventListener("playing", resolve, { once: true }));
@@ -208,16 +210,17 @@ async def test_speak_again_after_cancel(page: Any, gateway: Any) -> None:
           return { r1, second, s };
         }
         """,
-        TEXT,
+        {"text": TEXT, "prebufferMs": PREBUFFER_MS},
     )
-    assert out["r1"]["cancelled"] is True
+    # (a random checkpoint may end the first utterance before the cancel)
+    assert out["r1"]["cancelled"] is True or (not PREDICTABLE and out["r1"]["status"] == "ok"), out["r1"]
     r2 = out["second"]
     assert r2["status"] == "ok" and r2["samples"] == r2["serverSamples"] > 0, r2
     assert r2["underruns"] <= MAX_UNDERRUNS
 
 
 async def test_demo_page_shows_ttfa(page: Any, gateway: Any) -> None:
-    await page.goto(gateway.url + "/")
+    await page.goto(f"{gateway.url}/?prebuffer={PREBUFFER_MS}")
     await page.wait_for_function("window.voicegwDemo && window.voicegwDemo.ready")
     await page.fill("#text", "Short demo sentence. Another one.")
     await page.click("#speak")
@@ -237,7 +240,7 @@ async def test_demo_page_shows_ttfa(page: Any, gateway: Any) -> None:
 
 
 async def test_demo_stream_as_i_type_and_stop(page: Any, gateway: Any) -> None:
-    await page.goto(gateway.url + "/")
+    await page.goto(f"{gateway.url}/?prebuffer={PREBUFFER_MS}")
     await page.wait_for_function("window.voicegwDemo && window.voicegwDemo.ready")
     await page.fill("#text", "")
     await page.check("#stream-typing")
