@@ -108,14 +108,14 @@ def table(results: list[RunResult], starts: dict[str, float]) -> str:
         lines.append("")
         lines.append(f"{'ratio vllm/reference':<22} {'conc':>4} {'TTFT p50':>10} {'steps/s/stream':>15} {'aggregate':>10}")
         for c in conc:
-            v, r = by.get(("vllm", c)), by.get(("reference", c))
-            if v is None or r is None:
+            v, ref = by.get(("vllm", c)), by.get(("reference", c))
+            if v is None or ref is None:
                 continue
             vs = statistics.median(v.stream_steps_per_s) if v.stream_steps_per_s else float("nan")
-            rs = statistics.median(r.stream_steps_per_s) if r.stream_steps_per_s else float("nan")
+            rs = statistics.median(ref.stream_steps_per_s) if ref.stream_steps_per_s else float("nan")
             lines.append(
-                f"{'':<22} {c:>4} {pct(v.ttft_s, 50) / pct(r.ttft_s, 50):>10.2f} {vs / rs:>15.2f} "
-                f"{v.aggregate / r.aggregate if r.aggregate else float('nan'):>10.2f}"
+                f"{'':<22} {c:>4} {pct(v.ttft_s, 50) / pct(ref.ttft_s, 50):>10.2f} {vs / rs:>15.2f} "
+                f"{v.aggregate / ref.aggregate if ref.aggregate else float('nan'):>10.2f}"
             )
     if starts:
         lines.append("")
@@ -123,14 +123,9 @@ def table(results: list[RunResult], starts: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-async def run(args: argparse.Namespace) -> int:
-    import logging
-
+def ensure_checkpoint(args: argparse.Namespace) -> Path:
     import engine  # noqa: F401  (torch companion shim)
-
-    logging.getLogger("chattts").setLevel(logging.ERROR)  # "incomplete result" per request
     from engine.checkpoint import make_checkpoint, missing_files
-    from voicegw.config import EngineConfig
 
     model_dir = Path(args.model_dir).expanduser()
     if missing_files(model_dir):
@@ -138,6 +133,15 @@ async def run(args: argparse.Namespace) -> int:
         t = time.monotonic()
         make_checkpoint(model_dir, args.size, seed=0)
         print(f"  done in {time.monotonic() - t:.0f} s", flush=True)
+    return model_dir
+
+
+async def run(args: argparse.Namespace, model_dir: Path) -> int:
+    import logging
+
+    from voicegw.config import EngineConfig
+
+    logging.getLogger("chattts").setLevel(logging.ERROR)  # "incomplete result" per request
     concurrency = [int(c) for c in args.concurrency.split(",") if c]
     backends = [b for b in args.backends.split(",") if b]
     results: list[RunResult] = []
@@ -199,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     ap.add_argument("--compile", action="store_true", help="vLLM without enforce_eager (torch.compile / CUDA graphs)")
     args = ap.parse_args(argv)
-    return asyncio.run(run(args))
+    return asyncio.run(run(args, ensure_checkpoint(args)))
 
 
 if __name__ == "__main__":

@@ -178,12 +178,8 @@ def fake_engine() -> Any:
 
 #: Known failures on the real vLLM engine (2-core CPU, tiny checkpoint), open work recorded in the
 #: session's closing note: marked xfail (non-strict, reported in every run), never skipped silently.
-KNOWN_VLLM_FAILURES = {
-    "test_played_equals_sent_no_underruns": "browser playback underruns on the 2-core CPU with vLLM busy-polling a core",
-    "test_llm_token_stream": "browser playback underruns on the 2-core CPU with the vLLM engine",
-    "test_speak_again_after_cancel": "browser: second utterance after cancel on the vLLM engine (open)",
-    "test_demo_page_shows_ttfa": "browser demo page TTFA check on the vLLM engine (open)",
-    "test_c_preemption_and_recompute_match_upstream": "shared session engine: preemption not forced after earlier tests filled the prefix cache (open)",
+KNOWN_VLLM_FAILURES: dict[str, str] = {
+    # test name -> reason; tests known to fail on the vLLM engine only (none at present).
 }
 
 

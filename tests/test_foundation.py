@@ -13,7 +13,6 @@ import pytest
 from engine.checkpoint import ASSET_FILES, TINY, load_spec, make_checkpoint, missing_files
 from voicegw.config import Config, ConfigError, describe, field_docs, load_config
 
-
 # ----------------------------------------------------------------------------- config
 
 

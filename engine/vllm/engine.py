@@ -169,7 +169,7 @@ class VllmCodeEngine:
         if self._llm is not None:
             return
         t0 = time.monotonic()
-        env = {"VLLM_USE_V2_MODEL_RUNNER": "0", **child_env()}
+        env: dict[str, str | None] = {"VLLM_USE_V2_MODEL_RUNNER": "0", **child_env()}
         if self.device != "cpu" and importlib.util.find_spec("flashinfer") is None:
             env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         if self.device == "cpu" and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ and (os.cpu_count() or 1) <= 4:
@@ -177,6 +177,10 @@ class VllmCodeEngine:
             # rest: one thread on a 2-core host. Sharing both cores measured +40% steps/s for one
             # stream and +70% at 32 (full-size GPT, 2-core EPYC). The user's env setting wins.
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        if self.device == "cpu":
+            # The legacy VLLM_CPU_KVCACHE_SPACE overrides kv_cache_memory_bytes inside vLLM; our
+            # size (EngineConfig.kv_cache_gib or the constructor's kv_cache_bytes) must win.
+            env["VLLM_CPU_KVCACHE_SPACE"] = None  # removed while vLLM starts
         self._llm = await asyncio.to_thread(self._construct, env)
         self._dead = None
         t1 = time.monotonic()
@@ -190,18 +194,26 @@ class VllmCodeEngine:
             self.start_seconds, t1 - t0, t2 - t1, self.device, _vllm_version(),
         )
 
-    def _construct(self, env: dict[str, str]) -> Any:
+    def _construct(self, env: dict[str, str | None]) -> Any:
         prepare()
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from engine.vllm.plugin import register
+
+        register()  # this process; spawned ones register via the entry point or _boot/
+
         saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
+        for k, val in env.items():
+            if val is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = val
         try:
             return AsyncLLM.from_engine_args(self.engine_args())
         finally:
             for k, v in saved.items():
-                if k.startswith("VLLM_"):
-                    continue  # vLLM reads these lazily in this process too; keep them
+                if k == "VLLM_USE_V2_MODEL_RUNNER":
+                    continue  # vLLM may read it lazily in this process too; keep it
                 if v is None:
                     os.environ.pop(k, None)
                 else:
@@ -258,8 +270,11 @@ class VllmCodeEngine:
             self._speakers.popitem(last=False)
         return spk
 
-    def build(self, request: SpeechRequest, *, side_codes: bool = True) -> tuple[Any, Any]:
-        """(TokensPrompt, SamplingParams) for ``request``. Raises ``EngineError``."""
+    def build(self, request: SpeechRequest, *, side_codes: bool = True, cache_salt: bool = True) -> tuple[Any, Any]:
+        """(TokensPrompt, SamplingParams) for ``request``. Raises ``EngineError``.
+
+        ``side_codes=False`` and ``cache_salt=False`` are debug switches for negative controls
+        (codebooks 1..3 left out of the input; no per-speaker prefix-cache salt)."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -308,7 +323,7 @@ class VllmCodeEngine:
             extra_args={EXTRA_KEY: rp.to_extra()},
         )
         prompt: dict[str, Any] = {"prompt_token_ids": ids}
-        if spk is not None and self.cfg.enable_prefix_caching:
+        if spk is not None and self.cfg.enable_prefix_caching and cache_salt:
             prompt["cache_salt"] = spk.salt
         return TokensPrompt(**prompt), sp  # type: ignore[typeddict-item]
 
@@ -338,14 +353,16 @@ class VllmCodeEngine:
         codes = np.asarray(rows, dtype=np.int64).reshape(-1, info.num_vq)
         return codes, saw_eos
 
-    async def generate(self, request: SpeechRequest, *, side_codes: bool = True) -> AsyncIterator[CodeFrames]:
-        """Stream code frames. ``side_codes=False`` is a debug switch (negative control)."""
+    async def generate(
+        self, request: SpeechRequest, *, side_codes: bool = True, cache_salt: bool = True
+    ) -> AsyncIterator[CodeFrames]:
+        """Stream code frames. The keyword switches are for negative controls (see ``build``)."""
         llm = self._llm
         if llm is None or self._dead:
             raise EngineError(self._dead or "engine not started", EngineErrorKind.UNRECOVERABLE)
         if request.request_id in self._live:
             raise EngineError(f"duplicate request id {request.request_id}", EngineErrorKind.RECOVERABLE)
-        prompt, sp = self.build(request, side_codes=side_codes)
+        prompt, sp = self.build(request, side_codes=side_codes, cache_salt=cache_salt)
         from vllm.v1.engine.exceptions import EngineDeadError
 
         live = _Live()

@@ -113,6 +113,8 @@ class ChatTTSForVllm(nn.Module):
         e_code = self.emb_code[0]((input_ids - self.n_text).clamp(min=0, max=self.n_audio - 1))
         return torch.where(is_text.unsqueeze(-1), e_text, e_code).to(self.model_dtype)
 
+    get_input_embeddings = embed_input_ids  # name used by older vLLM releases
+
     def _step_plan(
         self, input_ids: torch.Tensor
     ) -> tuple[np.ndarray | None, list[tuple[int, int, RequestState]], list[int]]:

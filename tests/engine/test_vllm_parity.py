@@ -183,6 +183,13 @@ async def test_d_prefix_cache_same_text_different_speakers(vllm_engine: Any, ref
     assert_same(g3, w11, "speaker 11 after speaker 3 (same tokens)")
     assert (vllm_engine.request_stats("d2")["num_cached_tokens"] or 0) >= 128, "second request did not hit the cache"
     assert not vllm_engine.request_stats("d3")["num_cached_tokens"], "another speaker reused speaker 3's KV"
+    # Negative control: without the per-speaker salt, speaker 11 reuses speaker 3's KV: wrong codes.
+    g4, _ = await collect(vllm_engine, SpeechRequest("d4", LONG_TEXT, speaker=3, params=params), cache_salt=False)
+    g5, _ = await collect(vllm_engine, SpeechRequest("d5", LONG_TEXT, speaker=11, params=params), cache_salt=False)
+    assert_same(g4, w3, "speaker 3 unsalted, cold")
+    assert (vllm_engine.request_stats("d5")["num_cached_tokens"] or 0) >= 128
+    with pytest.raises(AssertionError):
+        assert_same(g5, w11, "speaker 11 on speaker 3's cached prefix")
 
 
 async def test_negative_control_side_codes_off_fails(vllm_engine: Any, reference_engine: Any) -> None:

@@ -1,6 +1,8 @@
 """Loaded at start-up by Python processes that vLLM spawns from voicegw (see engine/vllm/_env.py).
 
-Does nothing unless VOICEGW_VLLM_BOOT=1 is set in the environment.
+Does nothing unless VOICEGW_VLLM_BOOT=1 is set in the environment. Then it makes vLLM
+importable beside a CPU-only torch and registers the ChatTTS model, so spawned vLLM processes
+work even where the ``vllm.general_plugins`` entry point is not installed (source checkouts).
 """
 
 import os
@@ -10,6 +12,9 @@ if os.environ.get("VOICEGW_VLLM_BOOT") == "1":
         from engine.vllm._env import prepare
 
         prepare()
+        from engine.vllm.plugin import register
+
+        register()
     except Exception as exc:  # never break interpreter start-up
         import sys
 
