@@ -228,7 +228,10 @@ class GatewayServer:
         return dialects.select_subprotocol(conn, offered)
 
     def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
-        parts = urlsplit(request.path)
+        try:
+            parts = urlsplit(request.path)
+        except ValueError:  # e.g. "//[x/ws": an invalid IPv6 netloc
+            return _text(400, "bad request target")
         path = parts.path
         upgrade = "websocket" in request.headers.get("Upgrade", "").lower()
         if request.method != "GET":
@@ -267,6 +270,7 @@ class GatewayServer:
             return origin.rstrip("/") in {a.rstrip("/") for a in allowed}
         try:
             o = urlsplit(origin)
+            port = o.port  # ValueError for a port out of range or not a number
         except ValueError:
             return False
         if o.scheme not in ("http", "https") or not o.hostname:
@@ -275,7 +279,7 @@ class GatewayServer:
         if o.netloc.lower() == host_header.lower():
             return True
         local = {"localhost", "127.0.0.1", "::1", self.config.gateway.host.lower()}
-        return o.hostname.lower() in local and (o.port or (443 if o.scheme == "https" else 80)) == self.port
+        return o.hostname.lower() in local and (port or (443 if o.scheme == "https" else 80)) == self.port
 
     def _auth_ok(self, headers: Headers, offered: list[str], query: str) -> bool:
         tokens = self.config.gateway.auth_tokens
@@ -335,15 +339,12 @@ class GatewayServer:
             rel += "index.html"
         try:
             target = (self.static_dir / rel).resolve()
-        except (OSError, ValueError):
-            return _text(404, "not found")
-        if not target.is_relative_to(self.static_dir) or not target.is_file():
-            return _text(404, "not found")
-        try:
+            if not target.is_relative_to(self.static_dir) or not target.is_file():  # is_file: ENAMETOOLONG
+                return _text(404, "not found")
             if target.stat().st_size > _MAX_STATIC_BYTES:
                 return _text(404, "not found")
             body = target.read_bytes()
-        except OSError:
+        except (OSError, ValueError):
             return _text(404, "not found")
         ctype = _CONTENT_TYPES.get(target.suffix.lower()) or mimetypes.guess_type(target.name)[0] \
             or "application/octet-stream"
