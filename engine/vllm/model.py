@@ -78,6 +78,8 @@ class ChatTTSForVllm(nn.Module):
             torch.empty(self.num_vq, self.n_audio, hidden, dtype=torch.float32), requires_grad=False
         )
         self.registry = registry()
+        self._max_tokens = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0)
+        self._embeds_buf: torch.Tensor | None = None
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
 
     # ------------------------------------------------------------------ weights
@@ -177,10 +179,29 @@ class ChatTTSForVllm(nn.Module):
         **kwargs: Any,
     ) -> torch.Tensor:
         if inputs_embeds is None:
-            inputs_embeds = self._embed(input_ids)
+            inputs_embeds = self._stable(self._embed(input_ids))
         t0 = time.perf_counter_ns()
         out = self.model(None, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
         self.registry.stats["decoder_ns"] += time.perf_counter_ns() - t0
+        return out
+
+    def _stable(self, emb: torch.Tensor) -> torch.Tensor:
+        """``emb`` copied into a persistent buffer (GPU): CUDA graphs replay from fixed addresses.
+
+        vLLM captures the compiled decoder's graphs with ``inputs_embeds`` at the addresses of the
+        capture run; a fresh tensor per step would make every replay read stale memory. The
+        buffer is allocated at the first forward (vLLM's profiling run, the largest batch) and
+        only grows (re-allocated) for a larger batch, which vLLM never replays from a graph.
+        """
+        if emb.device.type != "cuda":
+            return emb
+        n = int(emb.shape[0])
+        buf = self._embeds_buf
+        if buf is None or buf.shape[0] < n or buf.dtype != emb.dtype or buf.device != emb.device:
+            buf = torch.empty((max(n, self._max_tokens), emb.shape[1]), dtype=emb.dtype, device=emb.device)
+            self._embeds_buf = buf
+        out = buf[:n]
+        out.copy_(emb)
         return out
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
