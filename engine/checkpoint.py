@@ -202,15 +202,37 @@ def encode_speaker(embedding: np.ndarray) -> str:
     return str(b14.encode_to_string(raw))
 
 
-def decode_speaker(encoded: str) -> np.ndarray:
-    """Inverse of ``encode_speaker``: float16 vector."""
+class SpeakerDecodeError(ValueError):
+    """A speaker string does not decode to at most the expected number of fp16 values."""
+
+
+def decode_speaker(encoded: str, max_values: int | None = None) -> np.ndarray:
+    """Inverse of ``encode_speaker``: float16 vector.
+
+    With ``max_values`` the decompression is bounded: at most ``2 * max_values + 1`` bytes are
+    ever produced (a decompression bomb costs that much, not what it expands to), and a string
+    that holds more than ``max_values`` values, or a truncated stream, raises
+    ``SpeakerDecodeError``. A client's string must always be decoded with a bound.
+    """
     import pybase16384 as b14
 
-    raw = lzma.decompress(
-        b14.decode_from_string(encoded),
-        format=lzma.FORMAT_RAW,
-        filters=[{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME}],
-    )
+    data = b14.decode_from_string(encoded)
+    filters = [{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME}]
+    if max_values is None:
+        raw = lzma.decompress(data, format=lzma.FORMAT_RAW, filters=filters)
+    else:
+        limit_bytes = 2 * max_values + 1
+        # a valid stream of <= limit_bytes never looks further back than that: a small dictionary
+        # (liblzma allocates it up front; the encoder's preset would make it 64 MiB)
+        small = [{"id": lzma.FILTER_LZMA2, "dict_size": max(4096, limit_bytes)}]
+        dec = lzma.LZMADecompressor(format=lzma.FORMAT_RAW, filters=small)
+        raw = dec.decompress(data, max_length=limit_bytes)
+        if len(raw) >= limit_bytes:
+            raise SpeakerDecodeError(f"speaker string holds more than {max_values} values")
+        if not dec.eof:
+            raise SpeakerDecodeError("speaker string is truncated")
+    if len(raw) % 2:
+        raise SpeakerDecodeError("speaker string does not hold whole fp16 values")
     return np.frombuffer(raw, dtype=np.float16).copy()
 
 

@@ -68,8 +68,8 @@ def resolve_speaker(value: str | int | None, hidden: int) -> ResolvedSpeaker | N
         from engine.checkpoint import decode_speaker
 
         try:
-            raw = decode_speaker(str(value).strip())
-        except Exception as exc:  # lzma/base16384 errors
+            raw = decode_speaker(str(value).strip(), max_values=hidden)  # bounded: no decompression bomb
+        except Exception as exc:  # lzma/base16384 errors, too many values
             raise SpeakerError(f"speaker string does not decode: {exc}") from None
     if raw.shape != (hidden,):
         raise SpeakerError(f"speaker embedding has {raw.shape[0]} values, the model needs {hidden}")

@@ -11,7 +11,7 @@ audio the server sent in this session (utterances back to back).
 Where ``consumed`` comes from:
 
 * Reporting clients (``playback`` messages, ``played_samples`` = cumulative samples actually
-  played): ``consumed = played_samples + discarded``. Nothing is extrapolated while reports are
+  played): ``consumed = played_samples + discarded``. A report below the previous one is ignored. Nothing is extrapolated while reports are
   fresh: the server never runs more than the window ahead of the reported playhead.
 * Clients that never report, or whose last report is older than ``stale_report_ms``: a virtual
   playhead that plays in real time from the first audio (or from the last report's position, once
@@ -63,9 +63,13 @@ class FlowControl:
     def on_playback(self, now_s: float, played_samples: int) -> None:
         """A ``playback`` report: the client's cumulative played-sample counter."""
         self._advance(now_s)
-        # counters only move forward; a client can never have played more than it got
-        played = max(played_samples, self._reported or 0)
-        self._reported = min(played, self.sent - self.discarded)
+        # counters only move forward: a report below the last one (a client that resets its counter
+        # per utterance, or a stale/reordered one) is ignored, so it neither refreshes the report nor
+        # resets the virtual playhead; once the last good report is stale the virtual playhead plays
+        if self._reported is not None and played_samples < self._reported:
+            return
+        # a client can never have played more than it got
+        self._reported = min(played_samples, self.sent - self.discarded)
         self._report_t = now_s
         # the virtual playhead restarts from the report, and only moves once the report is stale
         self._virtual = float(self._reported + self.discarded)

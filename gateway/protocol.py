@@ -29,6 +29,8 @@ SUPPORTED_SAMPLE_RATES_HZ: Final = (8_000, 16_000, 24_000, 48_000)
 DEFAULT_SAMPLE_RATE_HZ: Final = 24_000
 #: Longest ``id`` a client may attach to a message (echoed in replies).
 MAX_ID_CHARS: Final = 64
+#: Longest ``voice`` string: an encoded speaker embedding (768 fp16 values: ~840 characters).
+MAX_VOICE_CHARS: Final = 4096
 
 
 class ClientType(enum.StrEnum):
@@ -288,7 +290,7 @@ OPTION_FIELDS: Final[tuple[FieldSpec, ...]] = (
 SCHEMAS: Final[dict[ClientType, tuple[FieldSpec, ...]]] = {
     ClientType.SESSION_START: (
         _ID,
-        FieldSpec("voice", Kind.STR_OR_INT, max_len=65_536, min=0, max=2**31 - 1,
+        FieldSpec("voice", Kind.STR_OR_INT, max_len=MAX_VOICE_CHARS, min=0, max=2**31 - 1,
                   doc="speaker: int seed or encoded speaker embedding; default: server's voice"),
         FieldSpec("sample_rate", Kind.INT, choices=SUPPORTED_SAMPLE_RATES_HZ, doc="Hz; default 24000"),
         FieldSpec("format", Kind.STR, choices=tuple(AudioFormat), doc="pcm16 (default) or mulaw"),

@@ -19,6 +19,7 @@ still being spoken, and plays after it. ``cancel`` stops everything.
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -33,6 +34,15 @@ from gateway.segmenter import Segmenter, SegmenterConfig, is_cjk, is_speakable, 
 from voicegw.config import Config, LimitsConfig, SchedulerConfig
 
 _log = logging.getLogger("voicegw.session")
+
+
+def _voice_for_log(voice: str | int | None) -> str:
+    """A client's voice as a bounded log value: a seed as is, a string as its length and a short
+    sha256 (an encoded embedding is up to ``MAX_VOICE_CHARS`` characters: no log amplification)."""
+    if not isinstance(voice, str):
+        return repr(voice)
+    digest = hashlib.sha256(voice.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return f"str(len={len(voice)},sha256={digest})"
 
 
 @dataclass(frozen=True)
@@ -534,7 +544,7 @@ class Session:
         if msg.id is not None:
             reply["id"] = msg.id
         out.append(SendMessage(reply))
-        self.log.info("session started: %d Hz %s voice=%r", self.rate_hz, self.format.value, self._voice)
+        self.log.info("session started: %d Hz %s voice=%s", self.rate_hz, self.format.value, _voice_for_log(self._voice))
 
     def _open_utterance(self) -> _Utterance | None:
         if self._utterances and not self._utterances[-1].ended:

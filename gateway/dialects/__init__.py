@@ -42,23 +42,25 @@ __all__ = ["adapt", "front_connection", "process_request", "select_subprotocol"]
 _DEEPGRAM_SUBPROTOCOLS = ("token", "bearer")
 
 
-def _json_response(status: int, obj: Any, headers: list[tuple[str, str]] | None = None) -> Response:
-    body = orjson.dumps(obj)
+def _response(status: int, body: bytes, content_type: str, headers: list[tuple[str, str]] | None = None,
+              ) -> Response:
+    """One response with exactly one of each framing header (``Headers[k] = v`` appends in
+    websockets, so the headers are built once, never overwritten)."""
     st = http.HTTPStatus(status)
     hdrs = Headers([("Date", email.utils.formatdate(usegmt=True)), ("Connection", "close"),
-                    ("Content-Length", str(len(body))), ("Content-Type", "application/json"),
+                    ("Content-Length", str(len(body))), ("Content-Type", content_type),
                     ("Cache-Control", "no-cache")])
     for k, v in headers or []:
         hdrs[k] = v
     return Response(st.value, st.phrase, hdrs, body)
 
 
+def _json_response(status: int, obj: Any, headers: list[tuple[str, str]] | None = None) -> Response:
+    return _response(status, orjson.dumps(obj), "application/json", headers)
+
+
 def _text_response(status: int, text: str) -> Response:
-    r = _json_response(status, None)
-    body = (text + "\n").encode()
-    r.headers["Content-Type"] = "text/plain; charset=utf-8"
-    r.headers["Content-Length"] = str(len(body))
-    return Response(r.status_code, r.reason_phrase, r.headers, body)
+    return _response(status, (text + "\n").encode(), "text/plain; charset=utf-8")
 
 
 def _dialect_of(path: str) -> str | None:

@@ -150,26 +150,22 @@ async def test_allowed_origins(make_gateway: GatewayFactory):
             assert (await _status(server.port, headers={"Origin": bad}))[0] == 403, bad
 
 
-# bugs found by the door fuzzing below: an exception in process_request -> HTTP 500 and an ERROR
-# log with a traceback that any client can trigger at will (see the report / SECURITY.md)
-DOOR_500_BUGS = [
+# found by the door fuzzing below (issue 8, fixed): an exception in process_request was an HTTP 500
+# and an ERROR log with a traceback that any client could trigger at will
+DOOR_500_CASES = [
     pytest.param(P.WS_PATH, {"Origin": "http://localhost:99999"}, 403, id="origin-port-out-of-range"),
     pytest.param(P.WS_PATH, {"Origin": "http://localhost:abc"}, 403, id="origin-port-not-a-number"),
     pytest.param("//[x/ws", {}, 400, id="path-invalid-ipv6-netloc"),
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="gateway/server.py: process_request raises (500); fix described in the "
-                   "issue-8 report: catch ValueError in _origin_ok/_process_request")
-@pytest.mark.parametrize("path,headers,expected", DOOR_500_BUGS)
+@pytest.mark.parametrize("path,headers,expected", DOOR_500_CASES)
 async def test_door_never_answers_500(path: str, headers: dict[str, str], expected: int,
                                       make_gateway: GatewayFactory):
     async with make_gateway(FakeSpeechEngine()) as server:
         assert (await _status(server.port, path=path, headers=headers))[0] == expected
 
 
-@pytest.mark.xfail(strict=True, reason="gateway/server.py _static: Path.is_file() raises ENAMETOOLONG outside "
-                   "the try (500); fix described in the issue-8 report")
 async def test_long_static_path_is_404(make_gateway: GatewayFactory):
     async with make_gateway(FakeSpeechEngine()) as server:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
@@ -179,37 +175,6 @@ async def test_long_static_path_is_404(make_gateway: GatewayFactory):
         writer.close()
 
 
-def _known_door_bug(path: str, origin: str | None) -> bool:
-    """The 500s of DOOR_500_BUGS / test_long_static_path_is_404 (until fixed)."""
-    from urllib.parse import urlsplit
-
-    try:
-        parts = urlsplit(path)
-    except ValueError:
-        return True
-    if any(len(seg) > 255 for seg in parts.path.split("/")):
-        return True
-    if origin is not None:
-        try:
-            o = urlsplit(origin)
-            _ = o.port
-        except ValueError:
-            return True
-    return False
-
-
-def _known_duplicate_length_bug(path: str, upgrade: bool) -> bool:
-    """The 404 of ``test_upgrade_on_unknown_path_has_one_content_length`` (until fixed)."""
-    from urllib.parse import urlsplit
-
-    from gateway import dialects
-
-    return upgrade and urlsplit(path).path != P.WS_PATH and dialects._dialect_of(urlsplit(path).path) is None
-
-
-@pytest.mark.xfail(strict=True, reason="gateway/dialects/__init__.py _text_response: websockets Headers[k] = v "
-                   "appends, so the 404 carries two Content-Length and two Content-Type headers; fix in the "
-                   "issue-8 report")
 @pytest.mark.parametrize("path", ["/", "/nope", "/ws/"])
 async def test_upgrade_on_unknown_path_has_one_content_length(path: str, make_gateway: GatewayFactory):
     """A response with two different Content-Length values is malformed (RFC 9112 6.3): proxies
@@ -247,7 +212,7 @@ _PATH_CHARS = string.ascii_letters + string.digits + "/.%?&=[]:@!$'()*+,;~-_"
 def test_door_fuzz_gives_documented_status(door_server: int, path: str, origin: str | None, upgrade: bool,
                                            auth: str | None) -> None:
     """Random paths, Origins and Authorization values: every request gets a documented HTTP status
-    (never a hang; 500 only for the known bugs above)."""
+    (never a hang, never a 500, never two Content-Length headers)."""
     headers: dict[str, str] = {}
     if origin is not None:
         headers["Origin"] = origin
@@ -273,12 +238,8 @@ def test_door_fuzz_gives_documented_status(door_server: int, path: str, origin: 
 
     status, conflicting = asyncio.run(one())
     documented = {101, 200, 400, 401, 403, 404, 405, 426, 431, 503, None}
-    if status == 500:
-        assert _known_door_bug(path, origin), (path, headers)
-    else:
-        assert status in documented, (status, path, headers)
-    if conflicting:
-        assert _known_duplicate_length_bug(path, upgrade), (status, path, headers)
+    assert status in documented, (status, path, headers)
+    assert not conflicting, (status, path, headers)
 
 
 @pytest.fixture(scope="module")

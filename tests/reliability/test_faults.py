@@ -310,8 +310,24 @@ def test_close_codes_used_here_are_documented() -> None:
 # utterance crawl at one 40 ms frame per 1.66 s: FlowControl.on_playback keeps the larger counter,
 # but every (non-advancing) report still refreshes the report time and pulls the virtual playhead
 # back to it, so the playhead never runs: each frame sent triggers a report that freezes it for
-# another stale_report_ms. Proposed fix (gateway/flow.py, FlowControl.on_playback): ignore a report
-# whose counter is below the last one (the virtual playhead then paces that client in real time).
+# another stale_report_ms. Fixed (issue 8, gateway/flow.py FlowControl.on_playback): a report whose
+# counter is below the last one is ignored (the virtual playhead then paces that client in real time).
+
+
+def test_regressing_report_does_not_freeze_the_virtual_playhead() -> None:
+    from gateway.flow import FlowConfig, FlowControl
+
+    f = FlowControl(FlowConfig(sample_rate_hz=1000, window_ms=100.0, stale_report_ms=500.0), now_s=0.0)
+    f.on_sent(0.0, 1000)
+    f.on_playback(0.0, 1000)  # played all of it
+    f.on_sent(0.0, 1000)
+    t = 0.0
+    for _ in range(40):  # a report from a counter reset to 0 every 50 ms
+        t += 0.05
+        f.on_playback(t, 10)
+    # the last good report went stale at 0.5 s; the virtual playhead then played in real time
+    assert f.consumed(t) == 2000, f.consumed(t)
+
 
 REGRESS_TEXT = "Numbers like 3.14 and 1,000 stay whole. Then we train the model for a while, and look at the curves."
 
@@ -353,8 +369,6 @@ async def test_cumulative_played_counter_paces_by_the_engine(make_gateway: Any):
         assert max(took) < 1.0, took
 
 
-@pytest.mark.xfail(strict=True, reason="gateway/flow.py FlowControl.on_playback: a regressing played counter "
-                   "freezes the virtual playhead (one frame per 1.66 s); fix in the issue-8 report")
 async def test_client_that_resets_its_played_counter_still_gets_its_utterances(make_gateway: Any):
     from tests.gateway.fakes import FakeSpeechEngine
 

@@ -1,15 +1,14 @@
 """Hostile values that pass the protocol schema and hurt further in: a decompression bomb in
 ``voice`` and log amplification through ``voice``.
 
-``voice`` may be a string of up to 65,536 characters (``gateway.protocol.SCHEMAS``): an
-upstream-encoded speaker embedding (lzma + base16384). The engine decompresses it without a size
-limit (``engine.checkpoint.decode_speaker``), synchronously, on the event loop. A 21,000-character
-string (a 63 kB message, under ``max_message_bytes``) expands to 240 MiB: ~1.5 s of blocked event
-loop and ~530 MB allocated per decode (measured), and a failed decode is not cached, so one client can
-starve every session by sending one-word utterances. Fix (described in the issue-8 report):
-bounded decompression in ``decode_speaker`` (``lzma.LZMADecompressor.decompress(data,
-max_length=expected + 1)``) and a ``voice`` length cap in the schema (a real embedding is ~800
-characters).
+``voice`` may be an upstream-encoded speaker embedding (lzma + base16384). Before issue 8 it could
+be up to 65,536 characters and the engine decompressed it without a size limit
+(``engine.checkpoint.decode_speaker``), synchronously, on the event loop: a 21,000-character string
+(a 63 kB message, under ``max_message_bytes``) expanded to 240 MiB, ~1.5 s of blocked event loop
+and ~530 MB allocated per decode (measured). Fixed twice over: the schema caps ``voice`` at
+``MAX_VOICE_CHARS`` (4096; a real 768-value embedding is ~840 characters: ``invalid_field``), and
+``decode_speaker(s, max_values=hidden)`` never produces more than ``2 * hidden + 1`` bytes, so
+the largest bomb the schema lets through (~40 MiB of zeros) is refused in microseconds.
 """
 
 from __future__ import annotations
@@ -48,30 +47,61 @@ def bomb() -> str:
     return _bomb()
 
 
-def test_bomb_fits_the_protocol(bomb: str) -> None:
-    """The attack needs nothing the protocol refuses."""
-    msg_bytes = len(json.dumps({"type": "session.start", "voice": bomb}, ensure_ascii=False).encode())
-    assert msg_bytes <= LimitsConfig().max_message_bytes, msg_bytes
-    msg = P.parse_client_message(json.dumps({"type": "session.start", "voice": bomb}))
-    assert msg.fields["voice"] == bomb
+def largest_bomb() -> str:
+    """The biggest bomb the protocol lets through (40 MiB of zeros, ~3,500 characters)."""
+    s = _bomb(40)
+    assert len(s) <= P.MAX_VOICE_CHARS
+    return s
 
 
-@pytest.mark.xfail(strict=True, reason="engine/checkpoint.py decode_speaker: unbounded lzma decompression "
-                   "(decompression bomb); fix in the issue-8 report")
-def test_speaker_bomb_is_refused_fast_and_small(bomb: str) -> None:
+def test_bomb_is_refused_by_the_protocol(bomb: str) -> None:
+    """A 200 MiB bomb (21,000 characters) no longer fits ``voice``: ``invalid_field``."""
+    with pytest.raises(P.ProtocolError) as err:
+        P.parse_client_message(json.dumps({"type": "session.start", "voice": bomb}))
+    assert err.value.code is P.ErrorCode.INVALID_FIELD and err.value.field == "voice"
+
+
+def test_largest_bomb_fits_the_protocol() -> None:
+    """What the schema still lets through; the engine's bounded decode must refuse it."""
+    s = largest_bomb()
+    assert len(json.dumps({"type": "session.start", "voice": s}, ensure_ascii=False).encode()) \
+        <= LimitsConfig().max_message_bytes
+    msg = P.parse_client_message(json.dumps({"type": "session.start", "voice": s}))
+    assert msg.fields["voice"] == s
+
+
+@pytest.mark.parametrize("which", ["200MiB", "largest-allowed"])
+def test_speaker_bomb_is_refused_fast_and_small(which: str, bomb: str) -> None:
     import engine  # noqa: F401
     from engine.speaker import SpeakerError, resolve_speaker
 
+    value = bomb if which == "200MiB" else largest_bomb()
     tracemalloc.start()
     t0 = time.monotonic()
     try:
         with pytest.raises(SpeakerError):
-            resolve_speaker(bomb, HIDDEN)
+            resolve_speaker(value, HIDDEN)
         took = time.monotonic() - t0
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert took < 0.05 and peak < 8 << 20, (took, peak)
+
+
+def test_speaker_string_with_too_many_values_is_refused() -> None:
+    """A well-formed embedding of another size (more values than the model's hidden size)."""
+    import numpy as np
+
+    import engine  # noqa: F401
+    from engine.checkpoint import encode_speaker
+    from engine.speaker import SpeakerError, resolve_speaker
+
+    rng = np.random.default_rng(1)
+    with pytest.raises(SpeakerError):
+        resolve_speaker(encode_speaker(rng.standard_normal(HIDDEN + 1).astype(np.float16)), HIDDEN)
+    with pytest.raises(SpeakerError):
+        resolve_speaker(encode_speaker(rng.standard_normal(HIDDEN - 1).astype(np.float16)), HIDDEN)
+    assert resolve_speaker(encode_speaker(rng.standard_normal(HIDDEN).astype(np.float16)), HIDDEN) is not None
 
 
 def test_real_speaker_strings_are_short() -> None:
@@ -83,7 +113,7 @@ def test_real_speaker_strings_are_short() -> None:
 
     rng = np.random.default_rng(0)
     s = encode_speaker(rng.standard_normal(HIDDEN).astype(np.float16))
-    assert len(s) < 1_500
+    assert len(s) < 1_500 < P.MAX_VOICE_CHARS
     assert decode_speaker(s).shape == (HIDDEN,)
 
 
@@ -97,8 +127,6 @@ class _Lines(logging.Handler):
         self.lines.append(self.format(record))
 
 
-@pytest.mark.xfail(strict=True, reason="gateway/session.py _on_session_start logs voice=%r in full (up to "
-                   "64 kB per session: log amplification); fix in the issue-8 report")
 async def test_session_log_lines_are_bounded(make_gateway: GatewayFactory) -> None:
     """A client controls a few fields that get logged; a log line must stay small whatever it sends."""
     lines = _Lines()
@@ -109,7 +137,7 @@ async def test_session_log_lines_are_bounded(make_gateway: GatewayFactory) -> No
     try:
         async with make_gateway(FakeSpeechEngine()) as server:
             c = await Client.open(server.ws_url, fast_playback=True)
-            await c.start(voice="v" * 60_000, language="x" * 16)
+            await c.start(voice="v" * P.MAX_VOICE_CHARS, language="x" * 16)
             await c.speak("Hello.")
             await c.wait_for("utterance.done")
             await c.close()
