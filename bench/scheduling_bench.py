@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=("vllm", "sim", "fake"), default="vllm")
     p.add_argument("--model-dir", default="", help="checkpoint (default: tiny random, generated once)")
     p.add_argument("--policies", default="priority,fcfs",
-                   help="comma list of priority|buffer|fcfs; priority:lead=MS:slack=MS sets deadline-mode knobs")
+                   help="comma list of priority|buffer|fcfs; priority:lead=MS:slack=MS sets deadline-mode knobs, "
+                        "priority:dispatch=1[:reserve=F][:dlead=MS] adds gateway-side deadline dispatch")
     p.add_argument("--first-lead-ms", type=float, default=None, help="deadline policy: first segment lead")
     p.add_argument("--slack-ms", type=float, default=None, help="deadline policy: continuing-segment slack")
     p.add_argument("--max-num-seqs", type=int, default=4, help="engine batch limit (small: bursts must queue)")
@@ -60,26 +61,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1,
                    help="server starts per policy, interleaved across policies (P1 P2 P1 P2 ...)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--admission", action="store_true",
+                   help="keep scheduler.admission on (default off here: refusals would hide latency)")
     p.add_argument("--server-arg", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--out", default="out/bench/scheduling")
     p.add_argument("--results", default=str(RESULTS), help="Markdown file to update ('' = do not)")
     return p
 
 
-def _policy_spec(spec: str, lead: float | None, slack: float | None) -> tuple[str, float | None, float | None]:
-    """``priority``, ``fcfs``, ``buffer`` or ``priority:lead=0:slack=2000`` (deadline-mode knobs)."""
+def _policy_spec(spec: str, lead: float | None, slack: float | None
+                 ) -> tuple[str, float | None, float | None, dict[str, str]]:
+    """``priority``, ``fcfs``, ``buffer`` or ``priority:lead=0:slack=2000:dispatch=1:reserve=0.25:dlead=1500``.
+
+    ``lead``/``slack``: deadline-mode knobs. ``dispatch=1``: gateway-side deadline dispatch
+    (``scheduler.dispatch``: continuing segments held while their client has audio ahead, slots
+    reserved for new utterances); ``reserve``: ``scheduler.reserved_slots_fraction``; ``dlead``:
+    ``scheduler.dispatch_lead_ms``. Returns (policy, lead, slack, server overrides)."""
     name, *opts = spec.split(":")
+    extra: dict[str, str] = {}
     for opt in opts:
         k, _, v = opt.partition("=")
         if k == "lead":
             lead = float(v)
         elif k == "slack":
             slack = float(v)
+        elif k == "dispatch":
+            extra["scheduler.dispatch"] = "true" if v in ("", "1", "true", "on") else "false"
+        elif k == "reserve":
+            extra["scheduler.reserved_slots_fraction"] = str(float(v))
+        elif k == "dlead":
+            extra["scheduler.dispatch_lead_ms"] = str(float(v))
         else:
-            raise SystemExit(f"unknown policy option {opt!r} in {spec!r} (lead=MS, slack=MS)")
+            raise SystemExit(f"unknown policy option {opt!r} in {spec!r} (lead=MS, slack=MS, dispatch=1, "
+                             "reserve=F, dlead=MS)")
     if name != "priority":
         lead = slack = None
-    return name, lead, slack
+        extra = {}
+    return name, lead, slack, extra
 
 
 def _merge(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -171,7 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         utterance_chars=args.utterance_chars, background_chars=args.background_chars,
         tokens_per_s=args.tokens_per_s, seed=args.seed,
     )
-    overrides = {"engine.max_num_seqs": str(args.max_num_seqs)}
+    # admission would refuse part of a burst (errors instead of latency): off unless asked, so that
+    # every policy serves every utterance and TTFA compares like with like
+    overrides = {"engine.max_num_seqs": str(args.max_num_seqs),
+                 "scheduler.admission": "true" if args.admission else "false"}
     for item in args.server_arg:
         k, _, v = item.partition("=")
         overrides[k] = v
@@ -181,8 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     servers: dict[str, dict[str, Any]] = {}
     for rnd in range(args.rounds):  # rounds interleave the policies: slow drifts of a shared machine hit all
         for policy in policies:
-            name, lead, slack = _policy_spec(policy, args.first_lead_ms, args.slack_ms)
-            with ServerProcess(args.engine, model_dir=args.model_dir, policy=name, overrides=overrides,
+            name, lead, slack, extra = _policy_spec(policy, args.first_lead_ms, args.slack_ms)
+            with ServerProcess(args.engine, model_dir=args.model_dir, policy=name, overrides={**overrides, **extra},
                                first_lead_ms=lead, slack_ms=slack) as srv:
                 for rep in range(args.repeats):
                     k = rnd * args.repeats + rep

@@ -359,7 +359,9 @@ class AdmissionController:
       ``decode_ms`` for the first chunk.
 
     Admit when the estimate <= ``max(ttfa_target_ms, idle_slack * idle estimate)``, or when the
-    engine is idle. ``max_step_ms`` (optional): also refuse when the predicted step time at the
+    engine is idle, or (``require_queue``, what the gateway uses) when a batch slot is free: then
+    the new utterance joins the batch at once and refusing it would not make anyone faster; the
+    step-time model only decides how long a queue is too long. ``max_step_ms`` (optional): also refuse when the predicted step time at the
     new batch size exceeds it (e.g. ``REALTIME_STEP_MS``: every running stream would fall
     behind real time).
     """
@@ -373,8 +375,10 @@ class AdmissionController:
         mean_segment_steps: float = 150.0,
         idle_slack: float = 1.5,
         max_step_ms: float | None = None,
+        require_queue: bool = False,
     ) -> None:
         self.config = config or SchedulerConfig()
+        self.require_queue = require_queue
         self.estimator = estimator or StepTimeEstimator()
         self.first_chunk_steps = first_chunk_steps
         self.decode_ms = decode_ms
@@ -421,6 +425,8 @@ class AdmissionController:
         limit = max(self.config.ttfa_target_ms, self.idle_slack * self.idle_estimate_ms())
         if load.running <= 0 and load.waiting_ahead <= 0:
             return AdmissionDecision(True, estimate, limit, reason="idle engine")
+        if self.require_queue and load.waiting_ahead < max(0, load.max_num_seqs - load.running):
+            return AdmissionDecision(True, estimate, limit, reason="a batch slot is free")
         if estimate > limit:
             return AdmissionDecision(
                 False,
@@ -443,3 +449,142 @@ class AdmissionController:
                     reason=f"step time at batch {batch} {step:.1f} ms > {self.max_step_ms:.1f} ms",
                 )
         return AdmissionDecision(True, estimate, limit, reason="within target")
+
+
+# ---------------------------------------------------------------------------------------------
+# Gateway-side dispatch: hold continuing segments that can afford to wait
+
+
+@dataclass(eq=False)
+class _Held:
+    key: str
+    group: str
+    seq: int
+    after: set[str]
+    runway_ms: float
+    runway_t_s: float
+
+    def runway_at(self, now_s: float) -> float:
+        return self.runway_ms - max(0.0, now_s - self.runway_t_s) * 1000.0
+
+    @property
+    def deadline_s(self) -> float:
+        return self.runway_t_s + self.runway_ms / 1000.0
+
+
+class SegmentDispatcher:
+    """Bounded earliest-deadline-first dispatch of segments into the engine, with slots held back
+    for new utterances.
+
+    Why: vLLM never preempts a running request for a better priority, and a ChatTTS segment holds
+    its batch slot for seconds. So whatever occupies the slots when a burst of new utterances
+    arrives decides their time to first audio, and reordering vLLM's (short) waiting queue
+    changes little (bench/RESULTS.md runs A-F). The lever is upstream of vLLM: do not hand the
+    engine work that can wait. A continuing segment can wait while its client still has audio
+    ahead of the playhead; a first segment cannot.
+
+    Rules (``poll``):
+
+    * first segments are never held: ``submit`` returns True, the caller starts them at once
+      (their vLLM priority already puts them first in vLLM's queue);
+    * a continuing segment is held while its session's earlier segment is still generating
+      (``after``: that audio is still coming, so the client's runway only grows) -- unless its
+      runway fell to ``lead_ms``;
+    * runway = the client's buffered audio when the segment was submitted, plus audio the
+      session received since (``credit``), minus the time since (the client plays in real time);
+    * eligible held segments go in deadline order (``runway_t_s + runway``: EDF) while fewer
+      than ``capacity - reserved`` requests are in the engine; ``reserved`` slots stay free
+      for first segments of new utterances; a segment whose runway fell to ``lead_ms`` is
+      dispatched regardless of the slot count (it would rather queue in vLLM, where its
+      deadline-priority orders it, than miss its deadline in the gateway).
+
+    Bounded: at most ``max_held`` segments are held (beyond it ``submit`` lets them through);
+    the gateway holds at most ``max_in_flight`` segments per session anyway. Slots count
+    requests given to the engine and not yet ``release``-d, as the gateway sees them: a stream
+    whose consumer is paused by flow control still counts, though vLLM may have finished it.
+    That only holds continuing segments longer (until their runway reaches ``lead_ms``); it
+    never delays a first segment.
+    """
+
+    def __init__(self, capacity: int, reserved: int = 1, lead_ms: float = 1_500.0, max_held: int = 4_096) -> None:
+        if capacity < 1 or reserved < 0 or max_held < 0 or lead_ms < 0:
+            raise ValueError("invalid SegmentDispatcher parameters")
+        self.capacity = capacity
+        self.reserved = min(reserved, capacity - 1)
+        self.lead_ms = lead_ms
+        self.max_held = max_held
+        self._active: set[str] = set()
+        self._held: dict[str, _Held] = {}
+        self._seq = 0
+        self.dispatched_now = 0
+        """Counters: segments started at once / held first / held and dispatched urgent."""
+        self.dispatched_held = 0
+        self.dispatched_urgent = 0
+
+    @property
+    def in_engine(self) -> int:
+        return len(self._active)
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def is_held(self, key: str) -> bool:
+        return key in self._held
+
+    def submit(self, key: str, group: str, first: bool, now_s: float, runway_ms: float,
+               after: tuple[str, ...] | list[str] | set[str] = ()) -> bool:
+        """A segment wants the engine. True: start it now (it counts as in the engine); False: it
+        is held: call ``poll`` (it may name this one at once, or later). ``after``: keys of the session's earlier segments that
+        are still generating (in the engine or held)."""
+        self._seq += 1
+        pending = {a for a in after if a in self._active or a in self._held}
+        if first or len(self._held) >= self.max_held:
+            self._active.add(key)
+            self.dispatched_now += 1
+            return True
+        self._held[key] = _Held(key, group, self._seq, pending, max(0.0, runway_ms), now_s)
+        return False
+
+    def credit(self, group: str, audio_ms: float) -> None:
+        """The session ``group`` received ``audio_ms`` of audio: its held segments' runway grows."""
+        if audio_ms <= 0:
+            return
+        for h in self._held.values():
+            if h.group == group:
+                h.runway_ms += audio_ms
+
+    def release(self, key: str) -> None:
+        """The segment finished, failed or was cancelled (held or in the engine)."""
+        self._active.discard(key)
+        self._held.pop(key, None)
+        for h in self._held.values():
+            h.after.discard(key)
+
+    def runway_ms(self, key: str, now_s: float) -> float | None:
+        h = self._held.get(key)
+        return None if h is None else h.runway_at(now_s)
+
+    def poll(self, now_s: float) -> list[str]:
+        """Held segments to start now (they now count as in the engine), earliest deadline first."""
+        out: list[str] = []
+        limit = self.capacity - self.reserved
+        for h in sorted(self._held.values(), key=lambda h: (h.deadline_s, h.seq)):
+            urgent = h.runway_at(now_s) <= self.lead_ms
+            if h.after and not urgent:
+                continue
+            if urgent or len(self._active) < limit:
+                del self._held[h.key]
+                self._active.add(h.key)
+                out.append(h.key)
+                if urgent and len(self._active) > limit:
+                    self.dispatched_urgent += 1
+                else:
+                    self.dispatched_held += 1
+        return out
+
+    def next_wake_s(self, now_s: float) -> float | None:
+        """When a held segment's runway reaches ``lead_ms`` (``poll`` then starts it)."""
+        if not self._held:
+            return None
+        return min(h.deadline_s - self.lead_ms / 1000.0 for h in self._held.values())

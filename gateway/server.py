@@ -24,7 +24,7 @@ import secrets
 import socket
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -39,12 +39,14 @@ from websockets.protocol import State
 from websockets.typing import Subprotocol
 
 from engine.api import EngineError, EngineErrorKind, EngineOverloaded, SpeechEngine, SpeechRequest
+from engine.scheduler import AdmissionDecision
 from gateway import dialects
 from gateway import protocol as P
+from gateway.dispatch import EngineScheduler
 from gateway.flow import WaterMarks
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
-from gateway.priority import PriorityFn
+from gateway.priority import PriorityFn, default_priority_fn
 from gateway.session import (
     AbortStream,
     Action,
@@ -382,11 +384,15 @@ class _Connection:
         self.engine = server.engine
         self.metrics = server.metrics
         self.loop = asyncio.get_running_loop()
+        self.sched = EngineScheduler.for_server(server)
+        self._base_priority: PriorityFn = server.priority_fn or default_priority_fn(server.settings.scheduler)
+        self._last_submit: tuple[bool, float] | None = None
+        """(first_in_utterance, client_buffered_ms) of the segment the session is submitting."""
         self.session = Session(
             secrets.token_hex(6),
             server.settings,
             self.loop.time(),
-            priority_fn=server.priority_fn,
+            priority_fn=self._priority,
             observer=server.metrics.observer(),
         )
         self.log = self.session.log
@@ -573,10 +579,26 @@ class _Connection:
 
     # ---- engine streams -----------------------------------------------------------------
 
+    def _priority(self, first_in_utterance: bool, client_buffered_ms: float) -> int:
+        """The session's priority function: the server's, noting what the session knows about
+        the segment it is submitting (``_start_stream`` follows synchronously)."""
+        self._last_submit = (first_in_utterance, client_buffered_ms)
+        return int(self._base_priority(first_in_utterance, client_buffered_ms))
+
     def _start_stream(self, request: SpeechRequest) -> None:
+        rid = request.request_id
+        noted, self._last_submit = self._last_submit, None
+        first, buffered_ms = noted if noted is not None else (rid.endswith("-0"), 0.0)
+        refusal: AdmissionDecision | None = None
+        if first:
+            decision = self.sched.admit()
+            if decision is not None and not decision.admit:
+                refusal = decision
+        after = list(self.runners)  # this session's earlier segments still generating
         gate = asyncio.Event()
-        task = asyncio.create_task(self._run_stream(request, gate), name=f"stream {request.request_id}")
-        self.runners[request.request_id] = _Runner(task, gate)
+        task = asyncio.create_task(self._run_stream(request, gate, first, buffered_ms, after, refusal),
+                                   name=f"stream {rid}")
+        self.runners[rid] = _Runner(task, gate)
 
     def _abort_stream(self, a: AbortStream) -> None:
         runner = self.runners.pop(a.request_id, None)
@@ -593,25 +615,48 @@ class _Connection:
         except Exception:
             self.log.exception("engine abort of %s failed", request_id)
 
-    async def _run_stream(self, request: SpeechRequest, gate: asyncio.Event) -> None:
+    async def _run_stream(self, request: SpeechRequest, gate: asyncio.Event, first: bool = False,
+                          buffered_ms: float = 0.0, after: list[str] | None = None,
+                          refusal: AdmissionDecision | None = None) -> None:
         rid = request.request_id
+        sched = self.sched
         it = None
+        steps = 0
         try:
+            if refusal is not None:
+                raise EngineOverloaded(f"admission: {refusal.reason}")
+            turn = sched.submit(rid, self.session.id, first, buffered_ms, after or [])
+            if turn is not None:  # held in the gateway while its client has audio ahead
+                await turn.wait()
+                runway = sched.runway_ms(rid)
+                if runway is not None:  # the deadline now, not the one at submission
+                    request = replace(request, priority=int(self._base_priority(False, runway)))
             it = self.engine.synthesize(request)
+            t_prev: float | None = None
             while True:
+                paused = not gate.is_set()
                 await gate.wait()
                 try:
                     chunk = await anext(it)
                 except StopAsyncIteration:
+                    sched.observe_segment(steps)
                     self.dispatch(self.session.on_stream_end, rid)
                     return
+                now = self.loop.time()
+                if chunk.pcm:
+                    sched.first_output(rid)
+                    sched.credit(self.session.id, len(chunk.pcm) * 500.0 / max(1, chunk.sample_rate_hz))
+                sched.observe_chunk(chunk.steps, None if paused or t_prev is None else now - t_prev)
+                t_prev = now
+                steps += chunk.steps
                 self.dispatch(self.session.on_audio, rid, chunk)
                 if chunk.finished:
+                    sched.observe_segment(steps)
                     return
         except asyncio.CancelledError:
             raise
-        except EngineOverloaded:
-            self.log.warning("engine overloaded on %s", rid)
+        except EngineOverloaded as exc:
+            self.log.warning("engine overloaded on %s: %s", rid, exc)
             self.dispatch(self.session.on_engine_error, rid, EngineFailure.OVERLOADED)
         except EngineError as exc:
             self.log.error("engine error on %s: %s", rid, exc)
@@ -622,6 +667,7 @@ class _Connection:
             self.log.exception("engine stream %s failed", rid)
             self.dispatch(self.session.on_engine_error, rid, EngineFailure.RECOVERABLE)
         finally:
+            sched.release(rid)
             cur = self.runners.get(rid)
             if cur is not None and cur.task is asyncio.current_task():
                 del self.runners[rid]

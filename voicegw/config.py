@@ -134,6 +134,21 @@ class SchedulerConfig:
     """Number of buffer-level priority buckets for continuing segments."""
     bucket_ms: float = 500.0
     """Width of one priority bucket in ms of client-buffered audio."""
+    admission: bool = True
+    """Admission control for the first segment of an utterance: when the engine has no free batch
+    slot (``engine.max_num_seqs``) and the estimated time to first audio (queue length, learned
+    step time and segment length) exceeds ``ttfa_target_ms``, the utterance fails at once with
+    error ``engine_overloaded`` (the session stays open; the client may retry)."""
+    dispatch: bool = False
+    """Gateway-side deadline dispatch (``engine.scheduling_policy = "priority"`` only): continuing
+    segments whose client still has audio ahead are held in the gateway instead of occupying vLLM
+    batch slots, so new utterances find slots free (``engine.scheduler.SegmentDispatcher``)."""
+    reserved_slots_fraction: float = 0.25
+    """Dispatch: fraction of ``engine.max_num_seqs`` that held continuing segments leave free
+    for first segments of new utterances (at least one slot when > 0)."""
+    dispatch_lead_ms: float = 1_500.0
+    """Dispatch: a held continuing segment goes to the engine regardless of free slots once its
+    client's runway (audio ahead of the playhead) falls to this."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,85 @@
+"""Admission control and deadline dispatch over a real socket (fake engine, 127.0.0.1)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from gateway.dispatch import EngineScheduler
+from gateway.server import GatewayServer
+from tests.gateway.conftest import wait_until
+from tests.gateway.fakes import FakeSpeechEngine
+from tests.gateway.wsclient import Client
+from voicegw.config import Config, EngineConfig, GatewayConfig, SchedulerConfig
+
+LONG = "This answer goes on for quite a while, sentence after sentence. " * 6
+
+
+@contextlib.asynccontextmanager
+async def _gateway(engine: FakeSpeechEngine, tmp_path: Path, engine_cfg: dict[str, Any],
+                   scheduler: dict[str, Any]) -> AsyncIterator[GatewayServer]:
+    config = Config(gateway=GatewayConfig(port=0, shutdown_grace_s=1.0),
+                    engine=dataclasses.replace(EngineConfig(), **engine_cfg),
+                    scheduler=dataclasses.replace(SchedulerConfig(), **scheduler))
+    server = GatewayServer(config, engine, static_dir=tmp_path)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.shutdown(grace_s=0.5)
+
+
+async def test_admission_refuses_new_utterance_when_engine_full_then_recovers(tmp_path: Path) -> None:
+    engine = FakeSpeechEngine(speed=2.0)
+    async with _gateway(engine, tmp_path, {"max_num_seqs": 1}, {"ttfa_target_ms": 100.0}) as server:
+        busy = await Client.open(server.ws_url)  # never reports playback: its stream stays in the engine
+        await busy.start()
+        await busy.speak(LONG)
+        await busy.wait_for("segment.started")
+        assert engine.running  # the one batch slot is taken
+
+        c = await Client.open(server.ws_url, fast_playback=True)
+        await c.start()
+        await c.speak("Hello there, may I speak?")
+        err = await c.wait_for("error")
+        assert err["code"] == "engine_overloaded" and err["fatal"] is False and err["utterance_id"] == 1
+        done = await c.wait_for("utterance.done")
+        assert done["status"] == "error" and done["error"] == "engine_overloaded" and done["samples"] == 0
+        assert EngineScheduler.for_server(server).refused == 1
+        assert c.started is not None
+        sid = c.started["session_id"]
+        assert not [r for r in engine.requests if r.request_id.startswith(sid)]  # never reached the engine
+
+        await busy.send({"type": "cancel"})
+        await busy.wait_for("cancelled")
+        assert await wait_until(lambda: not engine.running, within_s=5)
+        await c.speak("Now there is room.")  # the session survived; the retry is admitted
+        done = await c.wait_for("utterance.done", within_s=20)
+        assert done["status"] == "ok" and done["samples"] > 0
+        await c.close()
+        await busy.close()
+
+
+async def test_dispatch_holds_continuing_segments_and_finishes(tmp_path: Path) -> None:
+    engine = FakeSpeechEngine(speed=20.0)
+    async with _gateway(engine, tmp_path, {"max_num_seqs": 2, "scheduling_policy": "priority"},
+                        {"dispatch": True, "dispatch_lead_ms": 300.0, "admission": False}) as server:
+        sched = EngineScheduler.for_server(server)
+        assert sched.dispatcher is not None and sched.dispatcher.reserved == 1
+        clients = [await Client.open(server.ws_url, fast_playback=True) for _ in range(2)]
+        for c in clients:
+            await c.start()
+        for c in clients:
+            await c.speak(LONG)
+        for c in clients:
+            done = await c.wait_for("utterance.done", within_s=60)
+            assert done["status"] == "ok" and done["segments"] >= 3
+            assert not c.errors()
+        d = sched.dispatcher
+        assert d.dispatched_held + d.dispatched_urgent > 0  # continuing segments went through the gate
+        assert await wait_until(lambda: d.in_engine == 0 and d.held == 0, within_s=5)
+        for c in clients:
+            await c.close()
