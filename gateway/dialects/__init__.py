@@ -160,5 +160,9 @@ def adapt(server: GatewayServer, ws: ServerConnection) -> ServerConnection:
             def check(key: str) -> bool:
                 return token_matches([key], tokens)
         options = elevenlabs.parse_request(parts.path, parts.query)
-        return cast(ServerConnection, DialectSocket(ws, elevenlabs.ElevenLabsTranslator(options, check)))
+        # without a key at the handshake, the key must come in a first message within the opening
+        # deadline (else close 1008): a key-less connection must not hold a session seat
+        auth_timeout_s = server.config.gateway.open_timeout_s if check is not None else None
+        return cast(ServerConnection, DialectSocket(ws, elevenlabs.ElevenLabsTranslator(options, check),
+                                                    auth_timeout_s=auth_timeout_s))
     return ws

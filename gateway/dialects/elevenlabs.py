@@ -112,11 +112,14 @@ class ElevenLabsTranslator:
     """One ``stream-input`` connection (see the module docstring).
 
     ``check_key``: when set, the first message must carry a valid ``xi_api_key`` (or
-    ``authorization: Bearer``); the handshake had no valid key."""
+    ``authorization: Bearer``); the handshake had no valid key. Until it has, ``authenticated``
+    is False, and the socket closes the connection (``on_auth_timeout``) unless a valid key comes
+    within the gateway's opening deadline: a key-less connection must not hold a session seat."""
 
     def __init__(self, options: Options, check_key: Callable[[str], bool] | None = None) -> None:
         self.options = options
         self.check_key = check_key
+        self.authenticated = check_key is None
         self.encoder = Encoder(options.fmt)
         self.turns = Turns()
         self.initialized = False
@@ -153,6 +156,7 @@ class ElevenLabsTranslator:
             if self.check_key is not None and not self.check_key(_first_message_key(msg)):
                 return Step(to_client=[error_frame("auth_error", "invalid or missing API key")],
                             close=(1008, "invalid api key"))
+            self.authenticated = True
             problem = _check_voice_settings(msg.get("voice_settings"))
             if problem:
                 return Step(to_client=[error_frame("invalid_voice_settings", problem)], close=(1008, problem))
@@ -166,6 +170,11 @@ class ElevenLabsTranslator:
         if msg.get("flush") is True:
             step.to_session.append({"type": P.ClientType.TEXT_FLUSH.value})
         return step
+
+    def on_auth_timeout(self) -> Step:
+        """No valid key arrived in time (the handshake had none)."""
+        return Step(to_client=[error_frame("auth_error", "no API key received in time")],
+                    close=(1008, "no api key"))
 
     # ---- session -> client ------------------------------------------------------------------
 

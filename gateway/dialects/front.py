@@ -62,6 +62,10 @@ def front_connection(server: GatewayServer) -> type[ServerConnection]:
     """A ``ServerConnection`` subclass that hands non-GET requests to ``HttpExchangeProtocol``."""
 
     open_timeout_s = server.config.gateway.open_timeout_s
+    # websockets answers pings (and a close) in data_received, bypassing the gateway's own send
+    # accounting: a peer that sends pings and never reads would grow the write buffer without bound.
+    # The same hard cap as the session's outbound queue (gateway/server.py) bounds it.
+    max_write_buffer_bytes = 16 * server.config.gateway.write_limit_bytes + 1_048_576
 
     class FrontConnection(ServerConnection):
         _sniffing = True
@@ -79,6 +83,7 @@ def front_connection(server: GatewayServer) -> type[ServerConnection]:
         def data_received(self, data: bytes) -> None:
             if not self._sniffing:
                 super().data_received(data)
+                self._check_write_buffer()
                 return
             self._sniffed += data
             kind = classify(self._sniffed)
@@ -93,12 +98,21 @@ def front_connection(server: GatewayServer) -> type[ServerConnection]:
             if kind == "ws":
                 super().connection_made(transport)
                 super().data_received(buf)
+                self._check_write_buffer()
                 return
             self._diverted = True
             proto = HttpExchangeProtocol(server)
             transport.set_protocol(proto)
             proto.connection_made(transport)
             proto.data_received(buf)
+
+        def _check_write_buffer(self) -> None:
+            transport = self._raw
+            if transport is not None and not transport.is_closing() \
+                    and transport.get_write_buffer_size() > max_write_buffer_bytes:
+                log.warning("peer %s does not read (write buffer over %d bytes): aborting",
+                            transport.get_extra_info("peername"), max_write_buffer_bytes)
+                transport.abort()
 
         def eof_received(self) -> None:
             if self._sniffing:

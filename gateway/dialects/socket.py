@@ -99,9 +99,13 @@ class DialectSocket:
     """Looks like a ``ServerConnection`` to ``server._Connection``; speaks a dialect on ``ws``."""
 
     def __init__(self, ws: ServerConnection, translator: Translator, *, report_interval_s: float = 0.1,
-                 inbox_cap: int = 16) -> None:
+                 inbox_cap: int = 16, auth_timeout_s: float | None = None) -> None:
+        """``auth_timeout_s``: for a translator that authenticates in-band (``authenticated``
+        attribute False at connect, ``on_auth_timeout()``): the connection is closed as the
+        translator says unless it is authenticated within this many seconds of the handshake."""
         self.ws = ws
         self.translator = translator
+        self.auth_timeout_s = auth_timeout_s
         self.report_interval_s = report_interval_s
         self.inbox_cap = inbox_cap
         self._inbox: Inbox | None = None
@@ -150,12 +154,45 @@ class DialectSocket:
     async def _read(self, inbox: Inbox, opening: Step) -> None:
         try:
             await self._carry(Step(to_client=opening.to_client, close=opening.close))
+            if not await self._authenticate():
+                return
             async for message in self.ws:
                 await self._carry(self.translator.on_client(message))
         except ConnectionClosed:
             pass
         finally:
             inbox.end()
+
+    def _authenticated(self) -> bool:
+        return bool(getattr(self.translator, "authenticated", True))
+
+    async def _authenticate(self) -> bool:
+        """Read client messages until the translator is authenticated; False (and the connection
+        closing) if that does not happen within ``auth_timeout_s``. Any message counts against the
+        same deadline, so neither silence nor a trickle of unauthenticated messages keeps a seat."""
+        if self.auth_timeout_s is None or self._authenticated():
+            return True
+        deadline = asyncio.get_running_loop().time() + self.auth_timeout_s
+        try:
+            while not self._authenticated():
+                if self._close_task is not None:
+                    return False  # the translator refused the key
+                async with asyncio.timeout_at(deadline):
+                    step = self.translator.on_client(await self.ws.recv())
+                    if not self._authenticated():
+                        await self._carry(step)  # error replies: a non-reader cannot stall the deadline
+                        continue
+                await self._carry(step)  # the authenticating message: carried out in full
+        except TimeoutError:
+            on_timeout = getattr(self.translator, "on_auth_timeout", None)
+            try:
+                async with asyncio.timeout(_CLOSE_WAIT_S):  # the error frame must not wait on a non-reader
+                    await self._carry(on_timeout() if on_timeout is not None
+                                      else Step(close=(1008, "no credentials")))
+            except TimeoutError:
+                self.ws.transport.abort()
+            return False
+        return True
 
     async def send(self, data: str | bytes, text: bool | None = None) -> None:
         if isinstance(data, str) or text:
