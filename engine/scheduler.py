@@ -60,7 +60,15 @@ new utterance with nothing buffered cannot wait at all. So:
   ``ttfa_target_ms``, refuse with error code ``engine_overloaded`` (``OVERLOADED_CODE``) and a
   ``retry_after_ms`` hint. An idle engine always admits, and a refusal needs the estimate to
   exceed both the target and ``idle_slack`` x the idle estimate (a slow machine that cannot
-  meet the target even idle degrades latency instead of refusing everyone).
+  meet the target even idle degrades latency instead of refusing everyone). The gateway
+  (``gateway/dispatch.py``) uses ``require_queue``: it refuses only when no batch slot is free.
+
+* Dispatch (``SegmentDispatcher``): the lever vLLM lacks. Running requests are never preempted
+  for a better priority, so whatever holds the batch slots when a burst arrives sets its time to
+  first audio. The gateway therefore keeps continuing segments whose client still has audio
+  ahead out of the engine (held while the session's previous segment is still generating, and
+  while the engine holds ``capacity - reserved`` requests), and lets one through regardless
+  once its client's runway falls to ``lead_ms``. First segments always go straight in.
 """
 
 from __future__ import annotations
