@@ -12,6 +12,14 @@ Chunking (``ChunkPolicy``): first audio once ``first_chunk_steps`` steps are aud
 chunks growing to ``chunk_steps``; audio is ``lookahead_steps`` behind the newest step
 (exact mode: the derived receptive field; the output then equals a whole-utterance decode).
 The last chunk (``finished=True``) carries the flushed tail.
+
+Restart on crash (``EngineConfig.restart_on_crash``): a watchdog task polls the code engine's
+health; when a code engine that was up reports itself dead (e.g. the vLLM engine-core process
+died), it calls the code engine's ``restart()`` (a new engine core, warm-up included), retrying
+with a doubling backoff (``restart_backoff_s``, at most 60 s) while restarts fail. Meanwhile
+``health()`` is unhealthy (``/healthz`` 503) and requests fail as "engine unavailable", as during
+the crash itself. Restarts of one process are serialized (two speech engines over one code engine
+restart it once).
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -41,6 +51,30 @@ if TYPE_CHECKING:
     from voicegw.config import EngineConfig
 
 _log = logging.getLogger(__name__)
+
+_RESTART_POLL_S = 0.5
+"""Watchdog: how often the code engine's health is read (a cheap attribute check)."""
+_RESTART_BACKOFF_MAX_S = 60.0
+_restart_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
+
+
+def _restart_lock() -> asyncio.Lock:
+    loop = asyncio.get_running_loop()
+    lock = _restart_locks.get(loop)
+    if lock is None:
+        lock = _restart_locks[loop] = asyncio.Lock()
+    return lock
+
+
+async def restart_code_engine(code: CodeEngine) -> bool:
+    """Restart ``code`` if it is unhealthy (serialized with every watchdog of this process: a code
+    engine is never restarted twice at once). True when it is healthy afterwards; a failed restart
+    raises."""
+    async with _restart_lock():
+        if code.health().healthy:
+            return True
+        await code.restart()  # type: ignore[attr-defined]
+        return bool(code.health().healthy)
 
 
 def chunk_policy(cfg: EngineConfig, exact_lookahead_steps: int) -> ChunkPolicy:
@@ -78,24 +112,91 @@ class ChatTTSSpeech:
         self.policy = chunk_policy(cfg, decoder.geometry.exact_lookahead_steps)
         self.exact = self.policy.lookahead_steps >= decoder.geometry.exact_lookahead_steps
         self._active: dict[str, asyncio.Event] = {}
+        self.restart_on_crash = bool(getattr(cfg, "restart_on_crash", True))
+        self.restart_backoff_s = max(0.0, float(getattr(cfg, "restart_backoff_s", 5.0)))
+        self.restarting = False
+        self.restarts_s: list[float] = []
+        """Seconds each completed restart took (watchdog)."""
+        self._watchdog: asyncio.Task[None] | None = None
+        self._restart_task: asyncio.Task[bool] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         await self._decoder.start()
         await self._code.start()
+        if self.restart_on_crash and callable(getattr(self._code, "restart", None)) and self._watchdog is None:
+            self._watchdog = asyncio.create_task(self._watch(), name="code engine watchdog")
 
     async def close(self) -> None:
         try:
+            await self._stop_watchdog()
             await self._code.close()
         finally:
             await self._decoder.close()
 
     def health(self) -> EngineHealth:
         h = self._code.health()
+        if self.restarting:
+            h = replace(h, healthy=False, detail="restarting after a crash" + (f" ({h.detail})" if h.detail else ""))
         if not self._decoder.healthy:
             return replace(h, healthy=False, detail=(h.detail + "; " if h.detail else "") + "decoder down")
         return h
+
+    # ------------------------------------------------------------------ restart on crash
+
+    async def _watch(self) -> None:
+        """Poll the code engine; restart it when, having been up, it reports itself dead."""
+        seen_up = False
+        failures = 0
+        while True:
+            await asyncio.sleep(_RESTART_POLL_S)
+            h = self._code.health()
+            if h.healthy:
+                seen_up, failures = True, 0
+                continue
+            if not seen_up:
+                continue  # never started (or still starting): not a crash
+            self._restart_task = asyncio.create_task(self._restart(h.detail), name="code engine restart")
+            # shielded: close() lets a restart finish (a cancelled restart could leak an engine core)
+            ok = await asyncio.shield(self._restart_task)
+            self._restart_task = None
+            if not ok:
+                failures += 1
+                await asyncio.sleep(min(_RESTART_BACKOFF_MAX_S, self.restart_backoff_s * 2 ** (failures - 1)))
+
+    async def _restart(self, detail: str) -> bool:
+        async with _restart_lock():
+            if self._code.health().healthy:
+                return True  # another watchdog of this process restarted it
+            self.restarting = True
+            t0 = time.monotonic()
+            _log.warning("code engine %s unhealthy (%s): restarting", self.name, detail)
+            try:
+                await self._code.restart()  # type: ignore[attr-defined]
+            except Exception:
+                _log.exception("code engine restart failed; retrying after a backoff")
+                return False
+            finally:
+                self.restarting = False
+            took = time.monotonic() - t0
+            if not self._code.health().healthy:
+                _log.error("code engine restarted in %.1f s but is not healthy: %s", took, self._code.health().detail)
+                return False
+            self.restarts_s.append(took)
+            _log.warning("code engine %s restarted in %.1f s", self.name, took)
+            return True
+
+    async def _stop_watchdog(self) -> None:
+        task, self._watchdog = self._watchdog, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        restart, self._restart_task = self._restart_task, None
+        if restart is not None:
+            with contextlib.suppress(Exception):
+                await restart
 
     async def abort(self, request_id: str) -> None:
         ev = self._active.get(request_id)

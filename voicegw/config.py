@@ -101,6 +101,11 @@ class EngineConfig:
     The decoder still runs in the gateway process on the first GPU. 1: off."""
     max_model_len: int = 2048
     """vLLM max sequence length (prompt + steps)."""
+    restart_on_crash: bool = True
+    """Restart the code engine (a new vLLM engine core, warm-up included) when it dies, without
+    restarting the gateway; /healthz is 503 and requests fail ``engine_unavailable`` meanwhile."""
+    restart_backoff_s: float = 5.0
+    """Wait after a failed restart before the next attempt; doubles per failure, at most 60 s."""
     first_chunk_steps: int = 6
     """Decoder: GPT steps of audio in the first chunk (6 steps = 128 ms); first audio comes after
     first_chunk_steps + decoder lookahead steps (exact mode: + 52 for ChatTTS)."""
@@ -205,6 +210,7 @@ _POSITIVE: set[tuple[str, str]] = {
     ("engine", "max_num_batched_tokens"),
     ("engine", "kv_cache_gib"),
     ("engine", "max_model_len"),
+    ("engine", "restart_backoff_s"),
     ("engine", "first_chunk_steps"),
     ("engine", "chunk_steps"),
     ("engine", "decoder_max_batch"),
