@@ -594,13 +594,13 @@ async def test_unauthenticated_dialect_socket_cannot_hold_seats(make_gateway: Ga
 
             task = asyncio.create_task(chatter())
             # ... but closed 1008 once the opening deadline has passed without a key
-            closes = await asyncio.gather(*(c.expect_close(within_s=5) for c in squatters))
+            closes = await asyncio.gather(*(c.expect_close(within_s=10) for c in squatters))
             took = time.monotonic() - t0
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             assert [code for code, _ in closes] == [1008, 1008], closes
-            assert took < 3.0, took
+            assert took < 5.0, took  # open_timeout_s (1 s) + scheduling slack; idle_timeout_s is 300 s
             assert await wait_until(lambda: not server.connections, within_s=2)
             await assert_still_serving(server, additional_headers=OK_HEADERS)
         finally:
