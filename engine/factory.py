@@ -13,7 +13,7 @@ class BackendUnavailable(RuntimeError):
 
 
 def create_code_engine(cfg: EngineConfig, model_dir: str | Path) -> CodeEngine:
-    """``vllm`` or ``reference`` (``auto`` means ``vllm``). The engine is not started.
+    """``vllm``, ``reference`` or ``synthetic`` (``auto`` means ``vllm``). The engine is not started.
 
     ``model_dir`` must hold a complete checkpoint in upstream layout
     (see ``engine.model_dir.resolve_model_dir``).
@@ -34,6 +34,19 @@ def create_code_engine(cfg: EngineConfig, model_dir: str | Path) -> CodeEngine:
         from engine.vllm.engine import VllmCodeEngine
 
         return VllmCodeEngine(model_dir, cfg)
+    if backend == "synthetic":
+        from engine.synthetic import SyntheticCodeEngine, SyntheticPace
+
+        device = cfg.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return SyntheticCodeEngine(SyntheticPace(
+            ttft_ms=cfg.synthetic_ttft_ms,
+            steps_per_s=cfg.synthetic_steps_per_s,
+            ms_per_char=cfg.synthetic_ms_per_char,
+        ), device=device)
     if backend == "reference":
         from engine.reference import ReferenceCodeEngine
 

@@ -65,7 +65,8 @@ class EngineConfig:
 
     backend: str = "auto"
     """``vllm`` (ChatTTS GPT in vLLM), ``reference`` (upstream chattts in-process), ``espeak``
-    (offline fallback) or ``auto``: vllm when ChatTTS weights are found, else espeak."""
+    (offline fallback), ``synthetic`` (random codes at a set pace + the real decoder of the model
+    directory: pacing tests without a GPU) or ``auto``: vllm when ChatTTS weights are found, else espeak."""
     model_dir: str = ""
     """ChatTTS model directory in upstream layout (``asset/...``). Empty: ``~/.cache/voicegw/chattts``;
     downloaded from the hub when ``download`` is true and it is missing."""
@@ -125,6 +126,14 @@ class EngineConfig:
     1 is fastest for the small per-chunk forwards on CPU."""
     use_hidden_decoder: bool = False
     """Vocode GPT hidden states with ``Decoder`` (upstream default) instead of codes with DVAE."""
+    synthetic_ttft_ms: float = 40.0
+    """``backend = "synthetic"`` (no GPT: random valid codes, the real decoder and gateway, for
+    pacing tests on CPU): time from submit to a stream's first step."""
+    synthetic_steps_per_s: float = 86.0
+    """``backend = "synthetic"``: steps per second per stream (46.9 is real time; 86 is the vLLM
+    engine on one H200 at 10 streams)."""
+    synthetic_ms_per_char: float = 70.0
+    """``backend = "synthetic"``: speech per non-space text character (sets each segment's steps)."""
 
 
 @dataclass(frozen=True)
@@ -196,7 +205,7 @@ _SECTIONS: dict[str, type] = {
 }
 
 _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
-    ("engine", "backend"): ("auto", "vllm", "reference", "espeak"),
+    ("engine", "backend"): ("auto", "vllm", "reference", "espeak", "synthetic"),
     ("engine", "device"): ("auto", "cpu", "cuda"),
     ("engine", "dtype"): ("auto", "float32", "bfloat16", "float16"),
     ("engine", "scheduling_policy"): ("priority", "fcfs"),
@@ -214,6 +223,8 @@ _POSITIVE: set[tuple[str, str]] = {
     ("engine", "first_chunk_steps"),
     ("engine", "chunk_steps"),
     ("engine", "decoder_max_batch"),
+    ("engine", "synthetic_steps_per_s"),
+    ("engine", "synthetic_ms_per_char"),
     ("scheduler", "ttfa_target_ms"),
     ("scheduler", "priority_levels"),
     ("scheduler", "bucket_ms"),

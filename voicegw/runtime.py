@@ -3,6 +3,8 @@
 ``engine.backend``:
 - ``vllm``: ChatTTS GPT in vLLM + the streaming decoder. Needs weights.
 - ``reference``: upstream chattts in-process + the streaming decoder (the native pipeline).
+- ``synthetic``: random codes at a set pace (``engine.synthetic``) + the real streaming decoder
+  of the model directory: gateway pacing tests without a GPU.
 - ``espeak``: eSpeak NG (bundled by the ``espeakng-loader`` wheel), no weights needed.
 - ``auto`` (default): ``vllm`` when ChatTTS weights are found (or downloaded with
   ``engine.download``), else ``espeak`` with a WARNING naming what is missing.
@@ -25,7 +27,7 @@ def build_speech_engine(cfg: Config) -> SpeechEngine:
 
     ecfg = cfg.engine
     backend = ecfg.backend
-    if backend in ("auto", "vllm", "reference"):
+    if backend in ("auto", "vllm", "reference", "synthetic"):
         try:
             model_dir = resolve_model_dir(ecfg.model_dir, allow_download=ecfg.download)
         except ModelNotFound as exc:
