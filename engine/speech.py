@@ -9,7 +9,8 @@ is decoded and not yet taken: the one being handed to the consumer. The decoder'
 (``BatchingDecoder``, bounded) is shared by all requests.
 
 Chunking (``ChunkPolicy``): first audio once ``first_chunk_steps`` steps are audible, then
-chunks growing to ``chunk_steps``; audio is ``lookahead_steps`` behind the newest step
+chunks that follow the stream's lead over real-time playback (``StreamLead``), up to
+``chunk_steps``, one forward at most ``2 * chunk_steps``; audio is ``lookahead_steps`` behind the newest step
 (exact mode: the derived receptive field; the output then equals a whole-utterance decode).
 The last chunk (``finished=True``) carries the flushed tail.
 
@@ -37,6 +38,7 @@ import numpy as np
 
 from engine.api import (
     NATIVE_SAMPLE_RATE_HZ,
+    SAMPLES_PER_STEP,
     AudioChunk,
     CodeEngine,
     EngineError,
@@ -44,7 +46,7 @@ from engine.api import (
     SpeechRequest,
 )
 from engine.audio_format import SUPPORTED_RATES_HZ, StreamResampler, float_to_pcm16
-from engine.decoder.window import ChunkPolicy
+from engine.decoder.window import ChunkPolicy, StreamLead
 
 if TYPE_CHECKING:
     from engine.decoder.batching import BatchingDecoder
@@ -221,6 +223,8 @@ class ChatTTSSpeech:
         policy = self.policy
         pending: list[np.ndarray] = []
         received = decoded = reported = 0
+        loop = asyncio.get_running_loop()
+        lead = StreamLead(SAMPLES_PER_STEP / NATIVE_SAMPLE_RATE_HZ)
         frames_iter = self._code.generate(request)
         finished = False
         try:
@@ -233,18 +237,23 @@ class ChatTTSSpeech:
                     pending.append(x)
                     received += x.shape[0]
                 final = frames.finished
-                if not policy.ready(received, decoded, final):
-                    continue
-                audio = await self._push(stream, pending, final, received)
-                pending, decoded = [], received
-                pcm = self._encode(resampler, audio, last=final)
-                if final:
-                    finished = True
-                    yield AudioChunk(rid, pcm, rate, finished=True, steps=received - reported)
-                    return
-                if pcm:
-                    yield AudioChunk(rid, pcm, rate, steps=received - reported)
-                    reported = received
+                while True:
+                    n = policy.push_steps(received, decoded, final, lead.lead_steps(loop.time()))
+                    last = final and decoded + n == received
+                    if not n and not last:
+                        break
+                    take, pending = _split_steps(pending, n)
+                    audio = await self._push(stream, take, last, decoded + n)
+                    decoded += n
+                    lead.emitted(audio.shape[0] / SAMPLES_PER_STEP, loop.time())
+                    pcm = self._encode(resampler, audio, last=last)
+                    if last:
+                        finished = True
+                        yield AudioChunk(rid, pcm, rate, finished=True, steps=received - reported)
+                        return
+                    if pcm:
+                        yield AudioChunk(rid, pcm, rate, steps=decoded - reported)
+                        reported = decoded
             if aborted.is_set():
                 yield AudioChunk(rid, b"", rate, finished=True, steps=0)
                 finished = True
@@ -287,3 +296,20 @@ class ChatTTSSpeech:
     @staticmethod
     def _encode(resampler: StreamResampler, audio: np.ndarray, last: bool) -> bytes:
         return bytes(float_to_pcm16(resampler.process(audio, last=last)).tobytes())
+
+
+def _split_steps(pending: list[np.ndarray], n: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The first ``n`` steps of ``pending`` and the rest (arrays split where needed)."""
+    take: list[np.ndarray] = []
+    rest = list(pending)
+    need = n
+    while need > 0 and rest:
+        head = rest.pop(0)
+        if head.shape[0] <= need:
+            take.append(head)
+            need -= head.shape[0]
+        else:
+            take.append(head[:need])
+            rest.insert(0, head[need:])
+            need = 0
+    return take, rest

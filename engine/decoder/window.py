@@ -314,34 +314,60 @@ class ChunkPolicy:
     Rules (``ready``):
 
     * the end of the utterance always runs (flush);
-    * audio becomes due in chunks: the first when ``first_chunk_steps`` steps are audible, each
-      later one when ``next_chunk_steps`` more are: the chunk size grows with the audio already
-      emitted (``first, first, 2*first, ...``) up to ``chunk_steps``, so a client that started
-      playing after the small first chunk is not starved while the chunks grow;
+    * the first chunk is due when ``first_chunk_steps`` steps are audible;
+    * later chunks: with the stream's *lead* known (``lead_steps``: audio emitted minus the
+      time since the first chunk, i.e. what a client that started playing at the first chunk
+      still has buffered), a chunk is due once ``lead_fraction`` of the lead is audible and
+      not emitted, at least ``min_chunk_steps``, at most ``chunk_steps``. Waiting for a chunk
+      of ``S`` steps costs ``S / r`` of the lead when the engine makes ``r`` x real time, so
+      the chunk size must follow the lead, not the audio already emitted: a rule that
+      doubles the chunk with the emitted audio (``first, first, 2*first, ...``, the rule
+      without a lead) leaves ``E * (1 - 2/r)`` of margin before each chunk and underruns at
+      every stream start once the engine is under 2x real time (measured: bench/gateway_pacing.py);
+    * without a lead (``lead_steps=None``) the doubling rule above, capped at ``chunk_steps``;
     * before the first audio, once ``chunk_steps`` steps are pending they are pushed anyway
       (pre-decoding the context): the decoder computes each layer as far as its context allows,
       so the forward that makes the first chunk due has little left to do.
+
+    ``push_steps`` caps one forward at ``max_push_steps`` after the first chunk, so a backlog
+    (a consumer that paused) is decoded in several forwards instead of one long one that every
+    other stream in its batch would wait for.
     """
 
     first_chunk_steps: int
     chunk_steps: int
     lookahead_steps: int
+    min_chunk_steps: int = 3
+    lead_fraction: float = 0.5
+    max_push_steps: int = 0
+    """0: ``2 * chunk_steps``."""
 
     def __post_init__(self) -> None:
         if self.first_chunk_steps < 1 or self.chunk_steps < 1 or self.lookahead_steps < 0:
             raise ValueError(f"bad chunk policy {self}")
+        if self.min_chunk_steps < 1 or not 0.0 < self.lead_fraction <= 1.0 or self.max_push_steps < 0:
+            raise ValueError(f"bad chunk policy {self}")
+
+    @property
+    def push_cap_steps(self) -> int:
+        return self.max_push_steps or 2 * self.chunk_steps
 
     def audible_steps(self, decoded_steps: int) -> int:
         """Steps whose audio is emitted once ``decoded_steps`` steps are decoded (not final)."""
         return max(0, decoded_steps - self.lookahead_steps)
 
-    def next_chunk_steps(self, audible_done: int) -> int:
-        """Audible steps the next chunk waits for, given ``audible_done`` already emitted."""
+    def next_chunk_steps(self, audible_done: int, lead_steps: float | None = None) -> int:
+        """Audible steps the next chunk waits for, given ``audible_done`` already emitted and the
+        stream's current lead (``None``: unknown)."""
         if audible_done <= 0:
             return self.first_chunk_steps
-        return max(1, min(self.chunk_steps, max(self.first_chunk_steps, audible_done)))
+        if lead_steps is None:
+            return max(1, min(self.chunk_steps, max(self.first_chunk_steps, audible_done)))
+        want = int(max(0.0, lead_steps) * self.lead_fraction)
+        return max(1, min(self.chunk_steps, max(self.min_chunk_steps, want)))
 
-    def ready(self, received_steps: int, decoded_steps: int, finished: bool) -> bool:
+    def ready(self, received_steps: int, decoded_steps: int, finished: bool,
+              lead_steps: float | None = None) -> bool:
         """True when a forward should run for this stream now.
 
         ``decoded_steps``: steps already pushed to the decoder; ``received_steps`` includes them.
@@ -352,11 +378,22 @@ class ChunkPolicy:
         if pending <= 0:
             return False
         done = self.audible_steps(decoded_steps)
-        if self.audible_steps(received_steps) - done >= self.next_chunk_steps(done):
+        if self.audible_steps(received_steps) - done >= self.next_chunk_steps(done, lead_steps):
             return True
         # before the first audio: pre-decode the context (a push that would emit a chunk
         # smaller than first_chunk_steps waits for the rule above instead)
         return pending >= self.chunk_steps and self.audible_steps(received_steps) == 0
+
+    def push_steps(self, received_steps: int, decoded_steps: int, finished: bool,
+                   lead_steps: float | None = None) -> int:
+        """Steps to push now (0: wait). Everything pending at the end or before the first
+        audio; else at most ``push_cap_steps`` (call again after the push: the rest may be due)."""
+        if not self.ready(received_steps, decoded_steps, finished, lead_steps):
+            return 0
+        pending = received_steps - decoded_steps
+        if finished or self.audible_steps(decoded_steps) == 0:
+            return pending
+        return min(pending, self.push_cap_steps)
 
     def emit_steps(self, received_steps: int) -> int:
         """Steps of audio to emit after decoding ``received_steps`` (not final)."""
@@ -365,3 +402,27 @@ class ChunkPolicy:
     def first_audio_steps(self) -> int:
         """Steps the GPT must produce before the first chunk (utterances that long or longer)."""
         return self.first_chunk_steps + self.lookahead_steps
+
+
+@dataclass
+class StreamLead:
+    """How far a stream's emitted audio is ahead of a listener who started playing at its first
+    chunk (pure: the caller passes ``now_s``). Feeds ``ChunkPolicy``'s ``lead_steps``."""
+
+    step_s: float
+    """Seconds of audio per step."""
+    emitted_steps: float = 0.0
+    t_first_s: float | None = None
+
+    def emitted(self, steps: float, now_s: float) -> None:
+        if steps <= 0:
+            return
+        if self.t_first_s is None:
+            self.t_first_s = now_s
+        self.emitted_steps += steps
+
+    def lead_steps(self, now_s: float) -> float | None:
+        """Emitted audio not yet played, in steps (None before the first chunk)."""
+        if self.t_first_s is None:
+            return None
+        return self.emitted_steps - max(0.0, now_s - self.t_first_s) / self.step_s

@@ -477,9 +477,11 @@ async def test_speech_first_chunk_and_flow_control(vocoders: dict) -> None:
         await asyncio.sleep(0.1)  # consumer does not pull: nothing is read or decoded
         assert eng.pulled["a"] == 4 + la and sp._decoder.stats.jobs == jobs
         second = await gen.__anext__()
-        assert len(second.pcm) == 4 * 512 * 2  # chunks grow: 4, 4, 8, 8, ...
+        # the 0.1 s pause ate the 85 ms lead of the first chunk: the next chunks are the smallest
+        # (ChunkPolicy.min_chunk_steps) until the stream is ahead of real time again
+        assert len(second.pcm) == sp.policy.min_chunk_steps * 512 * 2
         third = await gen.__anext__()
-        assert len(third.pcm) == 8 * 512 * 2
+        assert len(third.pcm) == sp.policy.min_chunk_steps * 512 * 2
         await gen.aclose()  # consumer goes away: the code stream is closed and aborted
         assert "a" in eng.closed_iters and "a" in eng.aborted
         assert eng.running == 0
