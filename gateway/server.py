@@ -386,8 +386,9 @@ class _Connection:
         self.loop = asyncio.get_running_loop()
         self.sched = EngineScheduler.for_server(server)
         self._base_priority: PriorityFn = server.priority_fn or default_priority_fn(server.settings.scheduler)
-        self._last_submit: tuple[bool, float] | None = None
-        """(first_in_utterance, client_buffered_ms) of the segment the session is submitting."""
+        self._submits: deque[float] = deque(maxlen=64)
+        """client_buffered_ms of the segments the session submitted in the current event, in
+        order (one ``StartStream`` per priority call, carried out right after the event)."""
         self.session = Session(
             secrets.token_hex(6),
             server.settings,
@@ -512,6 +513,7 @@ class _Connection:
             self.log.exception("session core failed")
             actions = self.session.on_internal_error(self.loop.time())
         self._apply(actions)
+        self._submits.clear()  # all of this event's StartStreams are carried out
 
     def _apply(self, actions: list[Action]) -> None:
         for a in actions:
@@ -582,13 +584,13 @@ class _Connection:
     def _priority(self, first_in_utterance: bool, client_buffered_ms: float) -> int:
         """The session's priority function: the server's, noting what the session knows about
         the segment it is submitting (``_start_stream`` follows synchronously)."""
-        self._last_submit = (first_in_utterance, client_buffered_ms)
+        self._submits.append(client_buffered_ms)
         return int(self._base_priority(first_in_utterance, client_buffered_ms))
 
     def _start_stream(self, request: SpeechRequest) -> None:
         rid = request.request_id
-        noted, self._last_submit = self._last_submit, None
-        first, buffered_ms = noted if noted is not None else (rid.endswith("-0"), 0.0)
+        first = rid.endswith("-0")  # the session names requests <session>-<utterance>-<segment>
+        buffered_ms = self._submits.popleft() if self._submits else 0.0
         refusal: AdmissionDecision | None = None
         if first:
             decision = self.sched.admit()
