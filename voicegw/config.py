@@ -156,7 +156,10 @@ class SchedulerConfig:
     dispatch: bool = False
     """Gateway-side deadline dispatch (``engine.scheduling_policy = "priority"`` only): continuing
     segments whose client still has audio ahead are held in the gateway instead of occupying vLLM
-    batch slots, so new utterances find slots free (``engine.scheduler.SegmentDispatcher``)."""
+    batch slots, so new utterances find slots free (``engine.scheduler.SegmentDispatcher``). Off by
+    default: on the 2-CPU dev machine it made burst TTFA and playing streams worse than plain
+    deadline priorities (bench/RESULTS.md runs G-I): held work still has to run later, and a
+    half-empty batch wastes throughput an engine near capacity needs."""
     reserved_slots_fraction: float = 0.25
     """Dispatch: fraction of ``engine.max_num_seqs`` that held continuing segments leave free
     for first segments of new utterances (at least one slot when > 0)."""
