@@ -74,6 +74,13 @@ class SpeechRequest:
     """Scheduling priority: lower runs first (vLLM ``scheduling_policy="priority"``)."""
     sample_rate_hz: int = NATIVE_SAMPLE_RATE_HZ
     """Sample rate wanted for audio (SpeechEngine only): 8000, 16000, 24000 or 48000."""
+    prefix_codes: np.ndarray | None = field(default=None, compare=False)
+    """Resume a segment: int64 ``[k, NUM_CODEBOOKS]`` frames already generated for it (by an
+    aborted earlier request of the same text, speaker and parameters). The engine continues at
+    frame ``k`` as if uninterrupted (repetition history and ``min_new_tokens`` count the prefix;
+    ``max_new_tokens`` is the segment's total) and yields only the new frames. vLLM backend
+    only (``VllmCodeEngine``, which sets ``supports_resume = True``); other code engines do not
+    support it (the reference backend ignores it), so callers check ``supports_resume``."""
 
 
 @dataclass(frozen=True)

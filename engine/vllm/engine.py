@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import hashlib
 import importlib.util
 import logging
 import os
@@ -75,6 +76,8 @@ class VllmCodeEngine:
     """ChatTTS GPT inside vLLM. See the module docstring."""
 
     name = "chattts-vllm"
+    #: ``SpeechRequest.prefix_codes`` (resume an aborted segment) is honoured.
+    supports_resume = True
 
     def __init__(
         self,
@@ -294,6 +297,18 @@ class VllmCodeEngine:
             raise EngineError(f"prompt of {len(ids)} tokens leaves no room for audio", EngineErrorKind.RECOVERABLE)
         max_new = max(1, min(max_new, room))
         greedy = p.temperature <= 0.0
+        prefix: list[list[int]] | None = None
+        if request.prefix_codes is not None and len(request.prefix_codes):
+            pre = np.asarray(request.prefix_codes, dtype=np.int64)
+            a = self.info.num_audio_tokens
+            if pre.ndim != 2 or pre.shape[1] != self.info.num_vq or pre.min() < 0 or pre.max() >= a:
+                raise EngineError(f"bad prefix_codes of shape {pre.shape}", EngineErrorKind.RECOVERABLE)
+            if len(pre) >= max_new:
+                raise EngineError(
+                    f"prefix of {len(pre)} frames leaves no steps (max {max_new})", EngineErrorKind.RECOVERABLE
+                )
+            prefix = pre.tolist()
+        k = 0 if prefix is None else len(prefix)
         rp = RequestParams(
             key=request.request_id,
             temperature=float(p.temperature) if not greedy else 1.0,
@@ -307,6 +322,7 @@ class VllmCodeEngine:
             seed=p.seed,
             speaker=None if spk is None else [float(x) for x in spk.normalized],
             side_codes=side_codes,
+            prefix=prefix,
         )
         eos_id = self.info.num_text_tokens + self.info.eos_code
         sp = VSamplingParams(
@@ -314,7 +330,7 @@ class VllmCodeEngine:
             temperature=0.0 if greedy else 1.0,
             top_p=1.0,
             top_k=0,
-            max_tokens=max_new,
+            max_tokens=max_new - k,
             stop_token_ids=[eos_id],
             logprobs=self.info.num_vq - 1,
             seed=p.seed,
@@ -322,9 +338,16 @@ class VllmCodeEngine:
             output_kind=RequestOutputKind.DELTA,
             extra_args={EXTRA_KEY: rp.to_extra()},
         )
+        salt = spk.salt if spk is not None else None
+        if prefix is not None:
+            # vLLM hashes token ids only: equal codebook-0 tokens with other side codes embed
+            # differently, so a resumed prompt must never share blocks with another request's.
+            ids = [*ids, *(self.info.num_text_tokens + int(row[0]) for row in prefix)]
+            digest = hashlib.sha256(np.ascontiguousarray(request.prefix_codes, dtype=np.int64).tobytes()).hexdigest()
+            salt = f"{salt or ''}|resume:{digest[:32]}"
         prompt: dict[str, Any] = {"prompt_token_ids": ids}
-        if spk is not None and self.cfg.enable_prefix_caching and cache_salt:
-            prompt["cache_salt"] = spk.salt
+        if salt is not None and self.cfg.enable_prefix_caching and cache_salt:
+            prompt["cache_salt"] = salt
         return TokensPrompt(**prompt), sp  # type: ignore[typeddict-item]
 
     def _frames(self, token_ids: list[int], logprobs: Any) -> tuple[np.ndarray, bool]:

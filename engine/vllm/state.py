@@ -44,6 +44,10 @@ class RequestParams:
     speaker: list[float] | None
     side_codes: bool = True
     """Debug switch: False drops codebooks 1..3 from the input embedding (negative control)."""
+    prefix: list[list[int]] | None = None
+    """Resumed request: the ``[k][num_vq]`` frames generated before (their codebook-0 tokens
+    end the prompt). The state starts with them as frames 0..k-1, so the model embeds them like
+    a recompute after preemption and samples frame k at the end of the prefill."""
 
     def to_extra(self) -> dict[str, Any]:
         return {
@@ -59,6 +63,7 @@ class RequestParams:
             "seed": self.seed,
             "speaker": self.speaker,
             "side_codes": self.side_codes,
+            "prefix": self.prefix,
         }
 
     @classmethod
@@ -76,6 +81,7 @@ class RequestParams:
             seed=None if d.get("seed") is None else int(d["seed"]),
             speaker=None if d.get("speaker") is None else [float(x) for x in d["speaker"]],
             side_codes=bool(d.get("side_codes", True)),
+            prefix=None if d.get("prefix") is None else [[int(c) for c in row] for row in d["prefix"]],
         )
 
 
@@ -95,15 +101,27 @@ class RequestState:
 
     @classmethod
     def create(cls, params: RequestParams, prompt_len: int, num_vq: int, device: torch.device) -> RequestState:
+        """``prompt_len``: all prompt tokens vLLM holds; for a resumed request the last
+        ``len(params.prefix)`` of them are the prefix frames' codebook-0 tokens, and the state's
+        ``prompt_len`` is the text prompt's length before them."""
         gen = None
         if params.seed is not None and not params.greedy:
             gen = torch.Generator(device=device)
             # Codebooks 1..3 draw from their own stream, distinct from vLLM's codebook-0 one.
             gen.manual_seed((params.seed * 1_000_003 + 0x5EED) % (2**63))
+        codes = np.zeros((params.max_new + 1, num_vq), dtype=np.int64)
+        k = 0
+        if params.prefix:
+            pre = np.asarray(params.prefix, dtype=np.int64).reshape(-1, num_vq)
+            k = int(pre.shape[0])
+            if k > params.max_new or k > prompt_len:
+                raise ValueError(f"prefix of {k} frames does not fit (max_new {params.max_new})")
+            codes[:k] = pre
         return cls(
             params=params,
-            prompt_len=prompt_len,
-            codes=np.zeros((params.max_new + 1, num_vq), dtype=np.int64),
+            prompt_len=prompt_len - k,
+            codes=codes,
+            n_frames=k,
             generator=gen,
         )
 
