@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", default="", help="checkpoint (default: tiny random, generated once)")
     p.add_argument("--policies", default="priority,fcfs",
                    help="comma list of priority|buffer|fcfs; priority:lead=MS:slack=MS sets deadline-mode knobs, "
-                        "priority:dispatch=1[:reserve=F][:dlead=MS] adds gateway-side deadline dispatch")
+                        "priority:dispatch=1[:reserve=F][:dlead=MS] adds gateway-side deadline dispatch, "
+                        "priority:preempt=1[:pbuf=MS][:pmax=N] preemption of running segments for new utterances")
     p.add_argument("--first-lead-ms", type=float, default=None, help="deadline policy: first segment lead")
     p.add_argument("--slack-ms", type=float, default=None, help="deadline policy: continuing-segment slack")
     p.add_argument("--max-num-seqs", type=int, default=4, help="engine batch limit (small: bursts must queue)")
@@ -76,7 +77,10 @@ def _policy_spec(spec: str, lead: float | None, slack: float | None
     ``lead``/``slack``: deadline-mode knobs. ``dispatch=1``: gateway-side deadline dispatch
     (``scheduler.dispatch``: continuing segments held while their client has audio ahead, slots
     reserved for new utterances); ``reserve``: ``scheduler.reserved_slots_fraction``; ``dlead``:
-    ``scheduler.dispatch_lead_ms``. Returns (policy, lead, slack, server overrides)."""
+    ``scheduler.dispatch_lead_ms``. ``preempt=1``: ``scheduler.preempt`` (running continuing
+    segments with client audio to spare are paused and resumed for new utterances); ``pbuf``:
+    ``scheduler.preempt_min_buffer_ms``; ``pmax``: ``scheduler.preempt_max_per_segment``.
+    Returns (policy, lead, slack, server overrides)."""
     name, *opts = spec.split(":")
     extra: dict[str, str] = {}
     for opt in opts:
@@ -91,9 +95,15 @@ def _policy_spec(spec: str, lead: float | None, slack: float | None
             extra["scheduler.reserved_slots_fraction"] = str(float(v))
         elif k == "dlead":
             extra["scheduler.dispatch_lead_ms"] = str(float(v))
+        elif k == "preempt":
+            extra["scheduler.preempt"] = "true" if v in ("", "1", "true", "on") else "false"
+        elif k == "pbuf":
+            extra["scheduler.preempt_min_buffer_ms"] = str(float(v))
+        elif k == "pmax":
+            extra["scheduler.preempt_max_per_segment"] = str(int(v))
         else:
             raise SystemExit(f"unknown policy option {opt!r} in {spec!r} (lead=MS, slack=MS, dispatch=1, "
-                             "reserve=F, dlead=MS)")
+                             "reserve=F, dlead=MS, preempt=1, pbuf=MS, pmax=N)")
     if name != "priority":
         lead = slack = None
         extra = {}

@@ -50,9 +50,9 @@ new utterance with nothing buffered cannot wait at all. So:
     KV worth keeping, at most a partial prefill of a short prompt). Only promotion: demoting
     would only lose its place in the queue while new utterances overtake it anyway.
   - a running request (output flowing): ``Reevaluation.KEEP``. Resubmitting would throw
-    away its KV cache and its sampled codes (a continuation from a prefix is not in the
-    engine API). Running streams are protected by vLLM stepping every running request each
-    step; the gateway's flow window bounds how far ahead they run.
+    away its KV cache (its codes survive: ``SpeechRequest.prefix_codes`` resumes it, which is
+    what preemption uses). Running streams are protected by vLLM stepping every running
+    request each step; the gateway's flow window bounds how far ahead they run.
 
 * Admission (``AdmissionController``): before an utterance starts, estimate its
   time-to-first-audio from the engine load (running / waiting counts, ``max_num_seqs``) and a
@@ -69,6 +69,11 @@ new utterance with nothing buffered cannot wait at all. So:
   ahead out of the engine (held while the session's previous segment is still generating, and
   while the engine holds ``capacity - reserved`` requests), and lets one through regardless
   once its client's runway falls to ``lead_ms``. First segments always go straight in.
+
+* Preemption (``choose_preemptions``, ``scheduler.preempt``): the direct lever. When first
+  segments wait while the engine is full, running continuing segments whose client has at
+  least ``preempt_min_buffer_ms`` of audio ahead are aborted and resumed at once from their
+  codes (``ChatTTSSpeech.preempt``) at their deadline priority, behind the first segment.
 """
 
 from __future__ import annotations
@@ -596,3 +601,65 @@ class SegmentDispatcher:
         if not self._held:
             return None
         return min(h.deadline_s - self.lead_ms / 1000.0 for h in self._held.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Preemption: make room for new utterances by pausing running segments that can afford it
+
+
+@dataclass(frozen=True)
+class RunningSegment:
+    """A segment the engine is generating, as the gateway sees it."""
+
+    key: str
+    client_buffered_ms: float
+    """Audio its client has ahead of the playhead now (ms)."""
+    first: bool
+    """First segment of its utterance (never preempted)."""
+    preemptions: int = 0
+    """How often it was preempted already."""
+    group: str = ""
+    """Its session."""
+
+
+def choose_preemptions(
+    running: list[RunningSegment] | tuple[RunningSegment, ...],
+    waiting_first: int,
+    *,
+    free_slots: int = 0,
+    min_buffer_ms: float = 1_000.0,
+    max_preemptions: int = 2,
+) -> list[str]:
+    """Running segments to preempt (abort and resume later at their deadline priority) so that
+    ``waiting_first`` first segments of new utterances get a batch slot now.
+
+    Why: vLLM's priority scheduling orders only the waiting queue and never preempts a running
+    request for a better priority (only when KV blocks run out), so a burst of new utterances
+    waits for slot turnover (bench/RESULTS.md runs A-J). A continuing segment whose client has
+    seconds of audio buffered can pause: it resumes from its codes (``SpeechRequest.prefix_codes``)
+    with nothing lost but one re-prefill.
+
+    Rules: at most one preemption per waiting first segment not covered by ``free_slots``; only
+    continuing segments (``first`` False) with ``client_buffered_ms >= min_buffer_ms`` and fewer
+    than ``max_preemptions`` preemptions so far; deepest client buffer first (ties: fewer
+    preemptions, then key); at most one per session (``group``) per call, so one listener does
+    not pay for the whole burst.
+    """
+    need = max(0, int(waiting_first) - max(0, int(free_slots)))
+    if need == 0:
+        return []
+    eligible = [
+        r for r in running
+        if not r.first and r.client_buffered_ms >= min_buffer_ms and r.preemptions < max_preemptions
+    ]
+    eligible.sort(key=lambda r: (-r.client_buffered_ms, r.preemptions, r.key))
+    out: list[str] = []
+    groups: set[str] = set()
+    for r in eligible:
+        if len(out) >= need:
+            break
+        if r.group and r.group in groups:
+            continue
+        groups.add(r.group)
+        out.append(r.key)
+    return out

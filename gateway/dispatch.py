@@ -11,6 +11,11 @@ is the thin asyncio shell around the pure policies of ``engine.scheduler``:
   engine (``scheduler.dispatch`` with ``engine.scheduling_policy = "priority"``); held segments
   wait on an ``asyncio.Event``; a timer wakes the dispatcher when a held segment's client runway
   reaches ``scheduler.dispatch_lead_ms``.
+* ``track``/``preempt_for_first``: the server-wide registry of segments the engine is generating
+  (every connection's), and preemption (``scheduler.preempt``): when first segments wait while
+  the engine is full, ``engine.scheduler.choose_preemptions`` names continuing segments whose
+  client has audio to spare, and ``SpeechEngine.preempt`` (``ChatTTSSpeech``) pauses and resumes
+  them at their deadline priority.
 
 No policy lives here: numbers in, decisions out.
 """
@@ -21,10 +26,19 @@ import asyncio
 import logging
 import math
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from engine.api import SpeechEngine
-from engine.scheduler import AdmissionController, AdmissionDecision, EngineLoad, SegmentDispatcher
+from engine.scheduler import (
+    AdmissionController,
+    AdmissionDecision,
+    EngineLoad,
+    RunningSegment,
+    SegmentDispatcher,
+    choose_preemptions,
+)
 from voicegw.config import Config
 
 log = logging.getLogger("voicegw.gateway")
@@ -53,6 +67,16 @@ def engine_load(in_engine: int, max_num_seqs: int, first_waiting: int, priority_
     return EngineLoad(running=running, waiting_ahead=ahead, max_num_seqs=seqs)
 
 
+@dataclass
+class _Tracked:
+    group: str
+    first: bool
+    buffered_ms: Callable[[], float]
+    """The client's audio ahead of its playhead now (ms)."""
+    resume_priority: Callable[[float], int]
+    """Engine priority of the segment resumed with that much buffered."""
+
+
 class EngineScheduler:
     def __init__(self, config: Config, engine: SpeechEngine) -> None:
         self.engine = engine
@@ -72,6 +96,19 @@ class EngineScheduler:
         self._first_waiting: set[str] = set()
         self._timer: asyncio.TimerHandle | None = None
         self.refused = 0
+        self.preempt_enabled = bool(sc.preempt) and bool(getattr(engine, "supports_preempt", False))
+        self.preempt_min_buffer_ms = float(sc.preempt_min_buffer_ms)
+        self.preempt_max_per_segment = int(sc.preempt_max_per_segment)
+        self._tracked: dict[str, _Tracked] = {}
+        self._has_output: set[str] = set()
+        self._covered: set[str] = set()
+        """First segments a preemption was made for."""
+        self._preempt_tasks: set[asyncio.Task[None]] = set()
+        self._preempting: set[str] = set()
+        """Segments whose preemption task has not finished yet."""
+        self.preempted = 0
+        if sc.preempt and not self.preempt_enabled:
+            log.warning("scheduler.preempt is set but engine %s cannot preempt; ignored", getattr(engine, "name", "?"))
 
     @classmethod
     def for_server(cls, server: Any) -> EngineScheduler:
@@ -138,6 +175,9 @@ class EngineScheduler:
 
     def first_output(self, key: str) -> None:
         self._first_waiting.discard(key)
+        self._covered.discard(key)
+        if key in self._tracked:
+            self._has_output.add(key)
 
     def credit(self, group: str, audio_ms: float) -> None:
         if self.dispatcher is not None:
@@ -147,9 +187,66 @@ class EngineScheduler:
         """The segment is done with the engine (finished, failed, cancelled; held or not)."""
         self._first_waiting.discard(key)
         self._turns.pop(key, None)
+        self._tracked.pop(key, None)
+        self._has_output.discard(key)
+        self._covered.discard(key)
         if self.dispatcher is not None:
             self.dispatcher.release(key)
             self._pump()
+
+    # ---- preemption ---------------------------------------------------------------------------
+
+    def track(self, key: str, group: str, first: bool, buffered_ms: Callable[[], float],
+              resume_priority: Callable[[float], int]) -> None:
+        """The segment ``key`` went to the engine (``release`` forgets it)."""
+        if self.preempt_enabled:
+            self._tracked[key] = _Tracked(group, first, buffered_ms, resume_priority)
+
+    def preempt_for_first(self) -> list[str]:
+        """Preempt running continuing segments for first segments waiting while the engine is
+        full (call once a first segment was submitted to the engine). Returns the keys."""
+        if not self.preempt_enabled:
+            return []
+        uncovered = [k for k in self._first_waiting if k not in self._covered]
+        if not uncovered:
+            return []
+        others = self._in_engine() - len(uncovered)
+        free = max(0, self.max_num_seqs - max(0, others))
+        running: list[RunningSegment] = []
+        preemptions = getattr(self.engine, "preemptions", None)
+        can_preempt = getattr(self.engine, "can_preempt", None)
+        for key in sorted(self._has_output):
+            t = self._tracked.get(key)
+            if t is None or t.first:
+                continue
+            if key in self._preempting or (callable(can_preempt) and not can_preempt(key)):
+                continue  # finishing, or a resumed request still waiting for a slot
+            n = preemptions(key) if callable(preemptions) else 0
+            if n is None:
+                continue  # no longer in the engine
+            running.append(RunningSegment(key, float(t.buffered_ms()), False, int(n), t.group))
+        keys = choose_preemptions(running, len(uncovered), free_slots=free,
+                                  min_buffer_ms=self.preempt_min_buffer_ms,
+                                  max_preemptions=self.preempt_max_per_segment)
+        for first_key, key in zip(uncovered, keys, strict=False):
+            self._covered.add(first_key)
+            t = self._tracked[key]
+            prio = int(t.resume_priority(float(t.buffered_ms())))
+            self._preempting.add(key)
+            task = asyncio.create_task(self._preempt(key, prio), name=f"preempt {key}")
+            self._preempt_tasks.add(task)
+            task.add_done_callback(self._preempt_tasks.discard)
+        return keys
+
+    async def _preempt(self, key: str, priority: int) -> None:
+        try:
+            if await self.engine.preempt(key, priority):  # type: ignore[attr-defined]
+                self.preempted += 1
+                log.debug("preempted %s (resumes at priority %d)", key, priority)
+        except Exception:
+            log.exception("preemption of %s failed", key)
+        finally:
+            self._preempting.discard(key)
 
     def _pump(self) -> None:
         d = self.dispatcher

@@ -78,6 +78,9 @@ _CONTENT_TYPES = {
 _MAX_STATIC_BYTES = 8 * 1024 * 1024
 _CLOSE_WAIT_S = 1.0
 """How long a close handshake may take before the transport is aborted."""
+_PREEMPT_AFTER_SUBMIT_S = 0.02
+"""Preemption: pause between submitting a first segment and preempting for it, so that the first
+segment reaches the engine's queue before the preempted segment is resubmitted."""
 _ABORT_WAIT_S = 2.0
 """How long a closing connection waits for the engine to confirm aborts."""
 
@@ -587,6 +590,10 @@ class _Connection:
         self._submits.append(client_buffered_ms)
         return int(self._base_priority(first_in_utterance, client_buffered_ms))
 
+    def _client_buffered_ms(self) -> float:
+        """Audio the client has ahead of its playhead now (ms; preemption)."""
+        return float(self.session.flow.ahead_ms(self.loop.time()))
+
     def _start_stream(self, request: SpeechRequest) -> None:
         rid = request.request_id
         first = rid.endswith("-0")  # the session names requests <session>-<utterance>-<segment>
@@ -623,6 +630,7 @@ class _Connection:
         rid = request.request_id
         sched = self.sched
         it = None
+        pending: asyncio.Future[Any] | None = None
         steps = 0
         try:
             if refusal is not None:
@@ -634,12 +642,25 @@ class _Connection:
                 if runway is not None:  # the deadline now, not the one at submission
                     request = replace(request, priority=int(self._base_priority(False, runway)))
             it = self.engine.synthesize(request)
+            if sched.preempt_enabled:
+                sched.track(rid, self.session.id, first, self._client_buffered_ms,
+                            lambda ms: int(self._base_priority(False, ms)))
+                if first:
+                    # submit it to the engine now, then make room: the preempted segment is
+                    # resubmitted behind it (deadline priority) and must not take the slot first
+                    pending = asyncio.ensure_future(anext(it))
+                    await asyncio.sleep(_PREEMPT_AFTER_SUBMIT_S)
+                    sched.preempt_for_first()
             t_prev: float | None = None
             while True:
                 paused = not gate.is_set()
                 await gate.wait()
                 try:
-                    chunk = await anext(it)
+                    if pending is not None:
+                        fut, pending = pending, None
+                        chunk = await fut
+                    else:
+                        chunk = await anext(it)
                 except StopAsyncIteration:
                     sched.observe_segment(steps)
                     self.dispatch(self.session.on_stream_end, rid)
@@ -669,6 +690,10 @@ class _Connection:
             self.log.exception("engine stream %s failed", rid)
             self.dispatch(self.session.on_engine_error, rid, EngineFailure.RECOVERABLE)
         finally:
+            if pending is not None:
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
             sched.release(rid)
             cur = self.runners.get(rid)
             if cur is not None and cur.task is asyncio.current_task():

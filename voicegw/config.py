@@ -166,6 +166,19 @@ class SchedulerConfig:
     dispatch_lead_ms: float = 1_500.0
     """Dispatch: a held continuing segment goes to the engine regardless of free slots once its
     client's runway (audio ahead of the playhead) falls to this."""
+    preempt: bool = False
+    """Preemption for new utterances (vLLM backend, ``engine.scheduling_policy = "priority"``):
+    when a first segment of an utterance arrives while the engine holds ``engine.max_num_seqs``
+    requests, one running continuing segment whose client has at least ``preempt_min_buffer_ms``
+    buffered is aborted and at once resubmitted as a resumed request (its codes so far as the
+    prompt prefix, its deadline priority), so the first segment takes its batch slot instead of
+    waiting for slot turnover. The preempted stream's audio continues seamlessly. Off by default
+    (measurement: bench/RESULTS.md, Scheduling, run K)."""
+    preempt_min_buffer_ms: float = 1_000.0
+    """Preemption: only segments whose client has at least this much audio ahead of its playhead
+    (at most ``limits.flow_window_ms`` is ever ahead)."""
+    preempt_max_per_segment: int = 2
+    """Preemption: a segment is preempted at most this many times."""
 
 
 @dataclass(frozen=True)

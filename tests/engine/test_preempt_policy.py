@@ -1,0 +1,34 @@
+"""``engine.scheduler.choose_preemptions``: which running segments make room for new utterances."""
+
+from __future__ import annotations
+
+from engine.scheduler import RunningSegment, choose_preemptions
+
+
+def seg(key: str, buf: float, first: bool = False, n: int = 0, group: str = "") -> RunningSegment:
+    return RunningSegment(key, buf, first, n, group or key)
+
+
+def test_nothing_waiting_or_free_slots_cover_it() -> None:
+    run = [seg("a", 5_000), seg("b", 4_000)]
+    assert choose_preemptions(run, 0) == []
+    assert choose_preemptions(run, 1, free_slots=1) == []
+    assert choose_preemptions(run, 2, free_slots=1, min_buffer_ms=1_000) == ["a"]
+
+
+def test_one_per_waiting_first_deepest_buffer_first() -> None:
+    run = [seg("a", 2_500), seg("b", 6_000), seg("c", 4_000)]
+    assert choose_preemptions(run, 1, min_buffer_ms=2_000) == ["b"]
+    assert choose_preemptions(run, 2, min_buffer_ms=2_000) == ["b", "c"]
+    assert choose_preemptions(run, 5, min_buffer_ms=2_000) == ["b", "c", "a"]
+
+
+def test_only_continuing_segments_with_enough_buffer_and_budget() -> None:
+    run = [seg("first", 9_000, first=True), seg("thin", 1_000), seg("worn", 8_000, n=2), seg("ok", 3_000, n=1)]
+    assert choose_preemptions(run, 3, min_buffer_ms=2_000, max_preemptions=2) == ["ok"]
+    assert choose_preemptions(run, 3, min_buffer_ms=2_000, max_preemptions=1) == []
+
+
+def test_one_per_session_per_call() -> None:
+    run = [seg("s1-a", 6_000, group="s1"), seg("s1-b", 5_000, group="s1"), seg("s2-a", 3_000, group="s2")]
+    assert choose_preemptions(run, 2, min_buffer_ms=2_000) == ["s1-a", "s2-a"]

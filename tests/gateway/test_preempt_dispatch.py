@@ -1,0 +1,108 @@
+"""Gateway preemption plumbing (``gateway.dispatch.EngineScheduler``): the server-wide registry
+of running segments and ``preempt_for_first`` over a stub engine (no model)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import Any
+
+from engine.api import EngineHealth
+from gateway.dispatch import EngineScheduler
+from voicegw.config import Config, EngineConfig, SchedulerConfig
+
+
+class StubEngine:
+    name = "stub"
+    supports_preempt = True
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.calls: list[tuple[str, int]] = []
+        self.counts: dict[str, int] = {}
+        self.waiting: set[str] = set()
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(self.name, True, self.running, "")
+
+    def preemptions(self, key: str) -> int | None:
+        return self.counts.get(key)
+
+    def can_preempt(self, key: str) -> bool:
+        return key in self.counts and key not in self.waiting
+
+    async def preempt(self, key: str, priority: int) -> bool:
+        self.calls.append((key, priority))
+        self.waiting.add(key)  # resumed, waiting for a slot
+        self.counts[key] = self.counts.get(key, 0) + 1
+        return True
+
+
+def _sched(engine: Any, preempt: bool = True, seqs: int = 2) -> EngineScheduler:
+    cfg = Config(engine=EngineConfig(max_num_seqs=seqs, scheduling_policy="priority"),
+                 scheduler=replace(SchedulerConfig(), preempt=preempt, preempt_min_buffer_ms=1_000.0,
+                                   admission=False))
+    return EngineScheduler(cfg, engine)
+
+
+def _run(s: EngineScheduler, eng: StubEngine, key: str, group: str, first: bool, buf: float) -> None:
+    s.submit(key, group, first, buf, [])
+    s.track(key, group, first, lambda: buf, lambda ms: 100 + int(ms // 1000))
+    eng.running += 1
+    eng.counts.setdefault(key, 0)
+
+
+async def test_preempts_deepest_continuing_segment_when_full() -> None:
+    eng = StubEngine()
+    s = _sched(eng)
+    _run(s, eng, "a-1-1", "a", False, 5_000.0)
+    _run(s, eng, "b-1-1", "b", False, 3_000.0)
+    s.first_output("a-1-1")
+    s.first_output("b-1-1")
+    _run(s, eng, "c-1-0", "c", True, 0.0)  # engine full: 3 in it, 2 slots
+    assert s.preempt_for_first() == ["a-1-1"]
+    _run(s, eng, "x-1-0", "x", True, 0.0)
+    assert s.preempt_for_first() == ["b-1-1"], "a preemption in flight is not repeated"
+    s.release("x-1-0")
+    eng.running -= 1
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert eng.calls[:1] == [("a-1-1", 105)]
+    assert s.preempted == 2
+    eng.waiting.discard("b-1-1")
+    eng.counts["b-1-1"] = 0
+    # the same waiting first segment does not cause a second preemption
+    assert s.preempt_for_first() == []
+    # a second new utterance does: not the resumed one still waiting, the next deepest
+    _run(s, eng, "d-1-0", "d", True, 0.0)
+    assert s.preempt_for_first() == ["b-1-1"]
+    # once resumed and generating again, a segment may be preempted again (at most twice)
+    for key, want in (("e-1-0", ["a-1-1"]), ("f-1-0", ["b-1-1"])):
+        await asyncio.sleep(0)
+        eng.waiting.clear()
+        _run(s, eng, key, key[0], True, 0.0)
+        assert s.preempt_for_first() == want
+    await asyncio.sleep(0)
+    eng.waiting.clear()
+    _run(s, eng, "g-1-0", "g", True, 0.0)
+    assert s.preempt_for_first() == []  # both preempted twice
+    for key in ("a-1-1", "b-1-1", "c-1-0", "d-1-0", "e-1-0", "f-1-0", "g-1-0"):
+        s.release(key)
+    assert s.preempt_for_first() == []
+
+
+async def test_no_preemption_with_a_free_slot_or_when_off() -> None:
+    eng = StubEngine()
+    s = _sched(eng, seqs=3)
+    _run(s, eng, "a-1-1", "a", False, 5_000.0)
+    s.first_output("a-1-1")
+    _run(s, eng, "c-1-0", "c", True, 0.0)
+    assert s.preempt_for_first() == []  # 2 requests, 3 slots
+    off = _sched(StubEngine(), preempt=False)
+    assert not off.preempt_enabled and off.preempt_for_first() == []
+
+
+async def test_engine_without_preempt_disables_it() -> None:
+    eng = StubEngine()
+    eng.supports_preempt = False  # type: ignore[misc]
+    assert not _sched(eng).preempt_enabled
