@@ -220,6 +220,11 @@ class ChatTTSSpeech:
         codes = self._codes.get(request_id)
         return None if codes is None else codes.preemptions
 
+    def submitted(self, request_id: str) -> bool:
+        """The segment's code request went to the code engine (it counts in ``health()``)."""
+        codes = self._codes.get(request_id)
+        return codes is not None and codes.submitted
+
     def can_preempt(self, request_id: str) -> bool:
         """``request_id`` is running and generating now (a resumed one: once it produced again)."""
         codes = self._codes.get(request_id)
@@ -368,6 +373,8 @@ class ResumableCodes:
         self._queue: asyncio.Queue[object] | None = None
         self._pump: asyncio.Task[None] | None = None
         self._pending_priority: int | None = None
+        self.submitted = False
+        """The first code request was started (its ``generate`` entered)."""
         self._resumed_waiting = False
         self._finished = False
         self._closed = False
@@ -392,6 +399,7 @@ class ResumableCodes:
                     continue  # preempted while we waited
                 if self._it is None or self._it_done:
                     raise StopAsyncIteration
+                self.submitted = True
                 try:
                     fr = await anext(self._it)
                 except StopAsyncIteration:

@@ -210,7 +210,9 @@ class EngineScheduler:
         uncovered = [k for k in self._first_waiting if k not in self._covered]
         if not uncovered:
             return []
-        others = self._in_engine() - len(uncovered)
+        submitted = getattr(self.engine, "submitted", None)
+        in_engine_first = sum(1 for k in uncovered if not callable(submitted) or submitted(k))
+        others = self._in_engine() - in_engine_first
         free = max(0, self.max_num_seqs - max(0, others))
         running: list[RunningSegment] = []
         preemptions = getattr(self.engine, "preemptions", None)

@@ -81,6 +81,8 @@ _CLOSE_WAIT_S = 1.0
 _PREEMPT_AFTER_SUBMIT_S = 0.02
 """Preemption: pause between submitting a first segment and preempting for it, so that the first
 segment reaches the engine's queue before the preempted segment is resubmitted."""
+_PREEMPT_SUBMIT_POLLS = 10
+"""Preemption: polls (within ``_PREEMPT_AFTER_SUBMIT_S``) for the first segment's code request to start."""
 _ABORT_WAIT_S = 2.0
 """How long a closing connection waits for the engine to confirm aborts."""
 
@@ -649,6 +651,11 @@ class _Connection:
                     # submit it to the engine now, then make room: the preempted segment is
                     # resubmitted behind it (deadline priority) and must not take the slot first
                     pending = asyncio.ensure_future(anext(it))
+                    submitted = getattr(self.engine, "submitted", None)
+                    for _ in range(_PREEMPT_SUBMIT_POLLS):
+                        if pending.done() or not callable(submitted) or submitted(rid):
+                            break
+                        await asyncio.sleep(_PREEMPT_AFTER_SUBMIT_S / _PREEMPT_SUBMIT_POLLS)
                     await asyncio.sleep(_PREEMPT_AFTER_SUBMIT_S)
                     sched.preempt_for_first()
             t_prev: float | None = None
