@@ -120,6 +120,8 @@ class ChatTTSSpeech:
         """Code streams of the running segments (``preempt``)."""
         self.supports_preempt = bool(getattr(code_engine, "supports_resume", False)) and not self.use_hidden
         """``preempt`` needs a code engine that resumes requests (vLLM) and the codes decoder path."""
+        self.preempt_enabled = False
+        """Segments started while this is set use the restartable code iterator (``enable_preemption``)."""
         self.restart_on_crash = bool(getattr(cfg, "restart_on_crash", True))
         self.restart_backoff_s = max(0.0, float(getattr(cfg, "restart_backoff_s", 5.0)))
         self.restarting = False
@@ -215,6 +217,13 @@ class ChatTTSSpeech:
             await codes.aclose()  # a resumed code request: its own id
         await self._code.abort(request_id)
 
+    def enable_preemption(self, on: bool = True) -> bool:
+        """Opt in to ``preempt`` (``scheduler.preempt``): later segments run on the restartable code
+        iterator; off (the default), segments read the code engine's stream directly. Returns
+        whether preemption is now on (False when the code engine cannot resume requests)."""
+        self.preempt_enabled = bool(on) and self.supports_preempt
+        return self.preempt_enabled
+
     def preemptions(self, request_id: str) -> int | None:
         """How often the running segment ``request_id`` was preempted (None: not running)."""
         codes = self._codes.get(request_id)
@@ -260,7 +269,7 @@ class ChatTTSSpeech:
         loop = asyncio.get_running_loop()
         lead = StreamLead(SAMPLES_PER_STEP / NATIVE_SAMPLE_RATE_HZ)
         frames_iter: AsyncIterator[CodeFrames]
-        if self.supports_preempt:
+        if self.supports_preempt and self.preempt_enabled:
             frames_iter = self._codes[rid] = ResumableCodes(self._code, request)
         else:
             frames_iter = self._code.generate(request)

@@ -97,6 +97,8 @@ class EngineScheduler:
         self._timer: asyncio.TimerHandle | None = None
         self.refused = 0
         self.preempt_enabled = bool(sc.preempt) and bool(getattr(engine, "supports_preempt", False))
+        if self.preempt_enabled:
+            self.preempt_enabled = bool(engine.enable_preemption(True))  # type: ignore[attr-defined]
         self.preempt_min_buffer_ms = float(sc.preempt_min_buffer_ms)
         self.preempt_max_per_segment = int(sc.preempt_max_per_segment)
         self._tracked: dict[str, _Tracked] = {}

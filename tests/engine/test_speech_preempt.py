@@ -6,6 +6,7 @@ Runs on the session's vLLM engine (``speech_engine`` with ``VOICEGW_TEST_ENGINE=
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -67,10 +68,14 @@ def _assert_same_pcm(got: bytes, want: bytes) -> None:
 
 
 @pytest.fixture
-def speech(speech_engine: Any) -> Any:
+def speech(speech_engine: Any) -> Iterator[Any]:
     if not getattr(speech_engine, "supports_preempt", False):
         pytest.skip("preemption needs the vLLM code engine (VOICEGW_TEST_ENGINE=vllm)")
-    return speech_engine
+    speech_engine.enable_preemption(True)
+    try:
+        yield speech_engine
+    finally:
+        speech_engine.enable_preemption(False)
 
 
 async def test_preempted_segment_gives_the_same_pcm(speech: Any) -> None:

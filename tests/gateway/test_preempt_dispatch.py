@@ -22,6 +22,9 @@ class StubEngine:
         self.counts: dict[str, int] = {}
         self.waiting: set[str] = set()
 
+    def enable_preemption(self, on: bool = True) -> bool:
+        return bool(on) and self.supports_preempt
+
     def health(self) -> EngineHealth:
         return EngineHealth(self.name, True, self.running, "")
 

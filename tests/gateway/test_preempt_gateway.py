@@ -90,3 +90,4 @@ async def test_preempted_stream_continues_seamlessly(speech_engine: SpeechEngine
         assert await wait_until(lambda: speech_engine.health().running_requests == 0, within_s=5)
     finally:
         await server.shutdown(grace_s=0.5)
+        speech_engine.enable_preemption(False)  # type: ignore[attr-defined]  # shared session engine
