@@ -173,7 +173,7 @@ class SchedulerConfig:
     buffered is aborted and at once resubmitted as a resumed request (its codes so far as the
     prompt prefix, its deadline priority), so the first segment takes its batch slot instead of
     waiting for slot turnover. The preempted stream's audio continues seamlessly. Off by default
-    (not yet measured: bench/RESULTS.md, Scheduling, "Preemption")."""
+    (measurement: bench/RESULTS.md, Scheduling, run K)."""
     preempt_min_buffer_ms: float = 1_000.0
     """Preemption: only segments whose client has at least this much audio ahead of its playhead
     (at most ``limits.flow_window_ms`` is ever ahead)."""
