@@ -155,6 +155,7 @@ async def run(args: argparse.Namespace, model_dir: Path) -> int:
             kv_cache_gib=args.kv_gib,
             enforce_eager=not args.compile,
             max_model_len=1024,
+            cpu_reserved_cores=0,  # GPT alone: every core to the worker (figures in RESULTS.md)
         )
         t = time.monotonic()
         if backend == "vllm":

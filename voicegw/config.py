@@ -121,6 +121,12 @@ class EngineConfig:
     52 steps for ChatTTS: output identical to whole-utterance decoding); smaller values emit the
     newest audio provisionally and correct it with a crossfade (lower latency, approximate near
     chunk ends; evaluate on real weights before lowering)."""
+    cpu_reserved_cores: int = 1
+    """vLLM on CPU: cores kept out of the GPT worker's OpenMP pool (``VLLM_CPU_NUM_OF_RESERVED_CPU``;
+    that environment variable, when set, wins). The worker's OpenMP threads spin, so a worker on
+    every core starves the decoder, the gateway and anything else on the host (a browser) while it
+    generates: on a 2-core host 0 gave 4 underruns in 5 browser runs, 1 gave none in 3; 0 is +40%
+    GPT steps/s for one full-size stream alone (bench/RESULTS.md). 0 for GPT-only benchmarks."""
     decoder_torch_threads: int = 1
     """Torch intra-op threads in the gateway process (decoder forwards); 0 keeps torch's default.
     1 is fastest for the small per-chunk forwards on CPU."""

@@ -6,10 +6,12 @@ import { VoiceGateway } from "./voicegw.js";
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
 
+const MAX_EVENTS = 2000;
+
 const demo = {
   gw: null,
   results: [],
-  events: [],
+  events: [], // the last MAX_EVENTS client events (tests read them for failure messages)
   lastTtfaMs: null,
   lastPlayStartMs: null,
   connecting: null,
@@ -67,8 +69,11 @@ async function ensureConnected() {
 }
 
 function wire(gw) {
-  const record = (type) => (e) => demo.events.push({ type, t: performance.now(), detail: e.detail });
-  for (const type of ["ttfa", "playing", "utterancedone", "drained", "cancelled", "error", "close", "underrun"]) {
+  const record = (type) => (e) => {
+    demo.events.push({ type, t: performance.now(), detail: e.detail });
+    if (demo.events.length > MAX_EVENTS) demo.events.splice(0, demo.events.length - MAX_EVENTS);
+  };
+  for (const type of ["ttfa", "playing", "segment", "report", "utterancedone", "drained", "cancelled", "error", "close", "underrun"]) {
     gw.addEventListener(type, record(type));
   }
   gw.addEventListener("ttfa", (e) => {

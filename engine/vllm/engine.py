@@ -175,11 +175,11 @@ class VllmCodeEngine:
         env: dict[str, str | None] = {"VLLM_USE_V2_MODEL_RUNNER": "0", **child_env()}
         if self.device != "cpu" and importlib.util.find_spec("flashinfer") is None:
             env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-        if self.device == "cpu" and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ and (os.cpu_count() or 1) <= 4:
-            # vLLM-CPU reserves a whole core for the engine-core process and runs the model on the
-            # rest: one thread on a 2-core host. Sharing both cores measured +40% steps/s for one
-            # stream and +70% at 32 (full-size GPT, 2-core EPYC). The user's env setting wins.
-            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        if self.device == "cpu" and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
+            # Cores kept out of the worker's spinning OpenMP pool (EngineConfig.cpu_reserved_cores:
+            # the decoder and the gateway run there). The user's env setting wins.
+            reserved = max(0, int(getattr(self.cfg, "cpu_reserved_cores", 1)))
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(min(reserved, max(0, (os.cpu_count() or 1) - 1)))
         if self.device == "cpu":
             # The legacy VLLM_CPU_KVCACHE_SPACE overrides kv_cache_memory_bytes inside vLLM; our
             # size (EngineConfig.kv_cache_gib or the constructor's kv_cache_bytes) must win.
@@ -223,17 +223,26 @@ class VllmCodeEngine:
                     os.environ[k] = v
 
     async def _warm(self) -> None:
-        """One short greedy and one sampled request: first-use paths (logprobs ranks,
-        sampler) run before real traffic."""
-        for i, temp in enumerate((0.0, 0.3)):
+        """Short requests that run first-use paths before real traffic: greedy and sampled, with
+        and without a seed, alone and then three in one batch. vLLM's logprob-rank kernel is a
+        ``torch.compile`` function (inductor on CPU): compiled for batch size 1 at its first call
+        and compiled again, shape-generic, at its first call with a larger batch. On CPU each
+        compile runs g++ for seconds; left to live traffic it stalls every stream (measured:
+        a 2.4 s freeze and an underrun in the browser test when a second stream joined)."""
+
+        async def one(i: int, temp: float, seed: int | None) -> None:
             req = SpeechRequest(
                 request_id=f"__warmup-{i}-{time.monotonic_ns()}",
                 text="warm up",
                 speaker=0,
-                params=SamplingParams(temperature=temp, max_new_tokens=2, min_new_tokens=2, seed=1),
+                params=SamplingParams(temperature=temp, max_new_tokens=3, min_new_tokens=3, seed=seed),
             )
             async for _ in self.generate(req):
                 pass
+
+        await one(0, 0.0, 1)
+        await one(1, 0.3, 1)
+        await asyncio.gather(one(2, 0.0, 1), one(3, 0.3, None), one(4, 0.3, 2))
 
     async def restart(self) -> None:
         await self.close()

@@ -180,7 +180,8 @@ async def test_cancel_silences_within_100ms(page: Any, gateway: Any, speech_engi
     c = out["cancelled"]
     assert c["type"] == "cancelled" and c["utterance_id"] == out["result"]["utteranceId"]
     assert 0 < c["played_ms"] < c["sent_ms"] <= c["generated_ms"] + 1e-6
-    assert c["heard_text"] and long_text.startswith(c["heard_text"]), c
+    # (a random checkpoint's segment may run long: the first word may not be complete yet)
+    assert (c["heard_text"] or not PREDICTABLE) and long_text.startswith(c["heard_text"]), c
     assert out["after"]["playedSamples"] == out["playedAtCancel"], "playback continued after cancel"
     assert out["after"]["peak"] == 0
     # the engine stopped generating
@@ -229,7 +230,12 @@ async def test_demo_page_shows_ttfa(page: Any, gateway: Any) -> None:
     assert ttfa is not None and ttfa.strip().isdigit(), ttfa
     result = await page.evaluate("window.voicegwDemo.results[0]")
     assert result["status"] == "ok" and abs(int(ttfa) - result["ttfaMs"]) <= 1
-    assert int(await page.text_content("#underruns") or "-1") <= MAX_UNDERRUNS
+    underruns = int(await page.text_content("#underruns") or "-1")
+    if underruns > MAX_UNDERRUNS:
+        events = await page.evaluate(
+            "window.voicegwDemo.events.map(e => e.type == 'report' ? [Math.round(e.t), 'r', Math.round(e.detail.bufferedMs), e.detail.receivedSamples, e.detail.playedSamples] : [Math.round(e.t), e.type, JSON.stringify(e.detail)])")
+        log = await page.text_content("#log")
+        raise AssertionError(f"{underruns} underruns; result {result}; events {events}; log {log}")
     played, received = (await page.text_content("#samples") or "").split(" / ")
     assert int(played) == int(received) == result["samples"]
 
@@ -253,14 +259,15 @@ async def test_demo_stream_as_i_type_and_stop(page: Any, gateway: Any) -> None:
 
     # speak a long text, then barge in with the stop button
     await page.uncheck("#stream-typing")
-    await page.fill("#text", " ".join([TEXT] * 5))
+    long_text = " ".join([TEXT] * 5)
+    await page.fill("#text", long_text)
     base = await page.evaluate("window.voicegwDemo.gw.stats.playedSamples")
     await page.click("#speak")
     await page.wait_for_function(f"window.voicegwDemo.gw.stats.playedSamples > {base} + 30000", timeout=20_000)
     await page.click("#stop")
     await page.wait_for_function("window.voicegwDemo.lastCancel", timeout=5_000)
     heard = await page.text_content("#heard")
-    assert heard and TEXT.startswith(heard), heard
+    assert (heard or not PREDICTABLE) and long_text.startswith(heard or ""), heard
     await page.wait_for_function("window.voicegwDemo.results.length >= 2", timeout=5_000)
     status = await page.evaluate("window.voicegwDemo.results[1].status")
     reply = await page.evaluate("window.voicegwDemo.lastCancel.reply")
