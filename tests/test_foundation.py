@@ -92,7 +92,7 @@ def test_tiny_checkpoint_layout_and_determinism(tiny_model_dir: Path, tmp_path: 
 
 
 def test_tokenizer_has_real_control_ids(tiny_model_dir: Path) -> None:
-    from transformers import BertTokenizerFast
+    from transformers import BertTokenizerFast  # type: ignore[attr-defined]
 
     tok = BertTokenizerFast.from_pretrained(str(tiny_model_dir / "asset" / "tokenizer"))
     ids = {t: tok.convert_tokens_to_ids(t) for t in ("[Stts]", "[spk_emb]", "[break_0]", "[Ebreak]")}

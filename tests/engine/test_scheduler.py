@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -198,7 +200,7 @@ def test_estimator_never_negative_and_monotone(obs: list[tuple[int, float]]) -> 
 # ----------------------------------------------------------------------------- admission
 
 
-def _controller(step_ms: float = 20.0, **kw: float) -> AdmissionController:
+def _controller(step_ms: float = 20.0, **kw: Any) -> AdmissionController:
     est = StepTimeEstimator(prior_step_ms=step_ms, overhead_fraction=1.0)  # flat step time
     return AdmissionController(CFG, est, first_chunk_steps=6, decode_ms=10.0, mean_segment_steps=100.0, **kw)
 
