@@ -131,6 +131,11 @@ class EngineError(Exception):
 class EngineOverloaded(EngineError):
     """Admission refused: the engine cannot start this request within its targets."""
 
+    def __init__(self, message: str, retry_after_ms: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+        """When a retry is likely to be admitted (the admission estimate), if known."""
+
 
 @dataclass(frozen=True)
 class EngineHealth:

@@ -52,6 +52,16 @@ class GatewayMetrics:
             "voicegw_utterances_total", "Utterances finished, by outcome", ["outcome"], registry=r
         )
         self.segments = Counter("voicegw_segments_total", "Segments submitted to the engine", registry=r)
+        self.admission_refused = Counter(
+            "voicegw_admission_refused_total",
+            "Utterances refused by admission control (error engine_overloaded, with retry_after_ms)",
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "voicegw_preemptions_total",
+            "Continuing segments preempted (paused in the engine, resumed later) to start first "
+            "segments sooner (scheduler.preempt)", registry=r,
+        )
         self.engine_running = Gauge(
             "voicegw_engine_running_requests", "Engine requests running (engine health)", registry=r
         )

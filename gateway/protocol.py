@@ -380,7 +380,7 @@ def encode(message: dict[str, Any]) -> bytes:
 
 
 def error_message(code: ErrorCode, *, field: str | None = None, msg_id: JsonScalar = None,
-                  utterance_id: int | None = None) -> dict[str, Any]:
+                  utterance_id: int | None = None, retry_after_ms: int | None = None) -> dict[str, Any]:
     msg: dict[str, Any] = {
         "type": ServerType.ERROR.value,
         "code": code.value,
@@ -393,6 +393,8 @@ def error_message(code: ErrorCode, *, field: str | None = None, msg_id: JsonScal
         msg["id"] = msg_id
     if utterance_id is not None:
         msg["utterance_id"] = utterance_id
+    if retry_after_ms is not None:
+        msg["retry_after_ms"] = max(0, int(retry_after_ms))
     return msg
 
 

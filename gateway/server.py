@@ -390,6 +390,7 @@ class _Connection:
         self.metrics = server.metrics
         self.loop = asyncio.get_running_loop()
         self.sched = EngineScheduler.for_server(server)
+        self.metrics = server.metrics
         self._base_priority: PriorityFn = server.priority_fn or default_priority_fn(server.settings.scheduler)
         self._submits: deque[float] = deque(maxlen=64)
         """client_buffered_ms of the segments the session submitted in the current event, in
@@ -605,6 +606,7 @@ class _Connection:
             decision = self.sched.admit()
             if decision is not None and not decision.admit:
                 refusal = decision
+                self.metrics.admission_refused.inc()
         after = list(self.runners)  # this session's earlier segments still generating
         gate = asyncio.Event()
         task = asyncio.create_task(self._run_stream(request, gate, first, buffered_ms, after, refusal),
@@ -636,7 +638,7 @@ class _Connection:
         steps = 0
         try:
             if refusal is not None:
-                raise EngineOverloaded(f"admission: {refusal.reason}")
+                raise EngineOverloaded(f"admission: {refusal.reason}", retry_after_ms=refusal.retry_after_ms)
             turn = sched.submit(rid, self.session.id, first, buffered_ms, after or [])
             if turn is not None:  # held in the gateway while its client has audio ahead
                 await turn.wait()
@@ -657,7 +659,9 @@ class _Connection:
                             break
                         await asyncio.sleep(_PREEMPT_AFTER_SUBMIT_S / _PREEMPT_SUBMIT_POLLS)
                     await asyncio.sleep(_PREEMPT_AFTER_SUBMIT_S)
-                    sched.preempt_for_first()
+                    preempted = sched.preempt_for_first()
+                    if preempted:
+                        self.metrics.preemptions.inc(len(preempted))
             t_prev: float | None = None
             while True:
                 paused = not gate.is_set()
@@ -687,7 +691,7 @@ class _Connection:
             raise
         except EngineOverloaded as exc:
             self.log.warning("engine overloaded on %s: %s", rid, exc)
-            self.dispatch(self.session.on_engine_error, rid, EngineFailure.OVERLOADED)
+            self.dispatch(self.session.on_engine_error, rid, EngineFailure.OVERLOADED, exc.retry_after_ms)
         except EngineError as exc:
             self.log.error("engine error on %s: %s", rid, exc)
             kind = EngineFailure.UNRECOVERABLE if exc.kind is EngineErrorKind.UNRECOVERABLE \

@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -359,7 +360,10 @@ class Session:
         self._step(now_s, out)
         return out
 
-    def on_engine_error(self, now_s: float, request_id: str, failure: EngineFailure) -> list[Action]:
+    def on_engine_error(self, now_s: float, request_id: str, failure: EngineFailure,
+                        retry_after_ms: float | None = None) -> list[Action]:
+        """An engine stream failed. ``retry_after_ms`` (overload only): when a retry is likely
+        to be admitted; sent to the client with the ``engine_overloaded`` error."""
         out: list[Action] = []
         s = self._by_id.get(request_id)
         if self.closed or s is None:
@@ -370,8 +374,9 @@ class Session:
             self._error(out, P.ErrorCode.ENGINE_UNAVAILABLE, utterance_id=s.utt.id)
             self._close(out, P.CloseCode.INTERNAL_ERROR, P.CloseReason.ENGINE_UNAVAILABLE)
             return out
-        code = P.ErrorCode.ENGINE_OVERLOADED if failure is EngineFailure.OVERLOADED else P.ErrorCode.ENGINE_ERROR
-        self._fail_utterance(s.utt, code, out)
+        overloaded = failure is EngineFailure.OVERLOADED
+        code = P.ErrorCode.ENGINE_OVERLOADED if overloaded else P.ErrorCode.ENGINE_ERROR
+        self._fail_utterance(s.utt, code, out, retry_after_ms=retry_after_ms if overloaded else None)
         self._step(now_s, out)
         return out
 
@@ -830,7 +835,8 @@ class Session:
             self._history.append(u)
             self._last_activity_s = max(self._last_activity_s, now_s)
 
-    def _fail_utterance(self, utt: _Utterance, code: P.ErrorCode, out: list[Action]) -> None:
+    def _fail_utterance(self, utt: _Utterance, code: P.ErrorCode, out: list[Action],
+                        retry_after_ms: float | None = None) -> None:
         if utt.failed is not None:
             return
         self.log.warning("utterance %d failed: %s", utt.id, code.value, extra={"utterance": utt.id})
@@ -843,7 +849,8 @@ class Session:
             self._by_id.pop(s.request_id, None)
         if dropped:
             self._obs.audio_dropped(dropped / self.rate_hz, "error")
-        self._error(out, code, utterance_id=utt.id)
+        self._error(out, code, utterance_id=utt.id,
+                    retry_after_ms=None if retry_after_ms is None else math.ceil(retry_after_ms))
 
     # ================================================================ helpers
 
@@ -867,9 +874,11 @@ class Session:
         out.append(Close(code, reason))
 
     def _error(self, out: list[Action], code: P.ErrorCode, *, field: str | None = None,
-               msg_id: P.JsonScalar = None, utterance_id: int | None = None) -> None:
+               msg_id: P.JsonScalar = None, utterance_id: int | None = None,
+               retry_after_ms: int | None = None) -> None:
         self._obs.error(code)
-        out.append(SendMessage(P.error_message(code, field=field, msg_id=msg_id, utterance_id=utterance_id)))
+        out.append(SendMessage(P.error_message(code, field=field, msg_id=msg_id, utterance_id=utterance_id,
+                                               retry_after_ms=retry_after_ms)))
 
     def _ms(self, samples: int) -> float:
         return round(samples * 1000.0 / self.rate_hz, 1)

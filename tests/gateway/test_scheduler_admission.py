@@ -46,9 +46,12 @@ async def test_admission_refuses_new_utterance_when_engine_full_then_recovers(tm
         await c.speak("Hello there, may I speak?")
         err = await c.wait_for("error")
         assert err["code"] == "engine_overloaded" and err["fatal"] is False and err["utterance_id"] == 1
+        assert isinstance(err["retry_after_ms"], int) and err["retry_after_ms"] > 0, err
         done = await c.wait_for("utterance.done")
         assert done["status"] == "error" and done["error"] == "engine_overloaded" and done["samples"] == 0
         assert EngineScheduler.for_server(server).refused == 1
+        assert server.metrics.admission_refused._value.get() == 1
+        assert b"voicegw_admission_refused_total 1.0" in server.metrics.render()
         assert c.started is not None
         sid = c.started["session_id"]
         assert not [r for r in engine.requests if r.request_id.startswith(sid)]  # never reached the engine

@@ -253,8 +253,9 @@ def test_overload_and_unrecoverable():
     h = Harness()
     h.start()
     (st,) = starts(h.msg({"type": "text.delta", "text": "Hello world, more"}))
-    acts = h.feed(h.s.on_engine_error(h.now, st.request.request_id, EngineFailure.OVERLOADED))
-    assert messages(acts, "error")[0]["code"] == "engine_overloaded"
+    acts = h.feed(h.s.on_engine_error(h.now, st.request.request_id, EngineFailure.OVERLOADED, 120.4))
+    err = messages(acts, "error")[0]
+    assert err["code"] == "engine_overloaded" and err["retry_after_ms"] == 121
     h.msg({"type": "text.end"})
     (st,) = starts(h.msg({"type": "text.delta", "text": "Hello world, more"}))
     acts = h.feed(h.s.on_engine_error(h.now, st.request.request_id, EngineFailure.UNRECOVERABLE))
