@@ -433,5 +433,6 @@ def cli_fields() -> list[tuple[str, type, Any, str]]:
         docs = field_docs(cls)
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            out.append((f"{section}.{f.name}", hints[f.name], f.default, docs.get(f.name, "")))
+            # argparse %-formats help strings: a literal % must be doubled
+            out.append((f"{section}.{f.name}", hints[f.name], f.default, docs.get(f.name, "").replace("%", "%%")))
     return out
