@@ -10,8 +10,9 @@ audio:
   (policy ``priority``) or by arrival (``fcfs``); running requests are never preempted
   (no KV pressure modelled);
 * a request makes ``ms_per_char * len(text)`` of audio, ``SAMPLES_PER_STEP`` per step; audio
-  is handed out after ``first_chunk_steps``, then in chunks growing up to ``chunk_steps``
-  (like the streaming decoder's ``ChunkPolicy``); PCM is silence.
+  is handed out by the streaming decoder's own rule (``engine.decoder.window.ChunkPolicy`` fed
+  with the stream's ``StreamLead``, no lookahead): ``first_chunk_steps``, then chunks that
+  follow the audio the listener still has ahead, up to ``chunk_steps``; PCM is silence.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from engine.api import (
     EngineHealth,
     SpeechRequest,
 )
+from engine.decoder.window import ChunkPolicy, StreamLead
 
 
 @dataclass
@@ -37,6 +39,7 @@ class _Req:
     arrival: int
     total_steps: int
     queue: asyncio.Queue[AudioChunk | None]
+    lead: StreamLead
     steps: int = 0
     emitted_steps: int = 0
 
@@ -90,7 +93,7 @@ class SimBatchEngine:
         if self._task is None or self._wake is None:
             raise EngineError("sim engine not started")
         total = max(1, round(len(request.text) * self.ms_per_char / (SAMPLES_PER_STEP / 24.0)))
-        req = _Req(request, next(self._counter), total, asyncio.Queue())
+        req = _Req(request, next(self._counter), total, asyncio.Queue(), StreamLead(SAMPLES_PER_STEP / NATIVE_SAMPLE_RATE_HZ))
         self.waiting.append(req)
         self._wake.set()
         try:
@@ -123,14 +126,15 @@ class SimBatchEngine:
             step_ms = self.step_ms_base + self.step_ms_per_seq * len(self.running) + self.prefill_ms * admitted
             await asyncio.sleep(step_ms / 1000.0)
             self.steps_run += 1
+            now = asyncio.get_running_loop().time()
+            policy = ChunkPolicy(self.first_chunk_steps, self.chunk_steps, 0)
             for r in list(self.running):
                 r.steps += 1
                 done = r.steps >= r.total_steps
                 pending = r.steps - r.emitted_steps
-                # chunk sizes grow like engine.decoder.window.ChunkPolicy: first, first, 2*first, ...
-                due = (self.first_chunk_steps if r.emitted_steps == 0 else
-                       min(self.chunk_steps, max(self.first_chunk_steps, r.emitted_steps)))
+                due = policy.next_chunk_steps(r.emitted_steps, r.lead.lead_steps(now))
                 if done or pending >= due:
+                    r.lead.emitted(pending, now)
                     rate = r.request.sample_rate_hz
                     n = pending * SAMPLES_PER_STEP * rate // NATIVE_SAMPLE_RATE_HZ
                     r.emitted_steps = r.steps
