@@ -100,10 +100,18 @@ def histogram_delta(before: Samples | None, after: Samples, name: str,
     return out
 
 
+def counter_delta(before: Samples | None, after: Samples, name: str) -> float:
+    """Growth of an unlabelled counter between two scrapes (0 when absent)."""
+    key = (name, ())
+    return after.get(key, 0.0) - ((before or {}).get(key, 0.0))
+
+
 def server_breakdown(before: Samples | None, after: Samples | None) -> dict[str, Any]:
     if after is None:
         return {}
     return {
         "ttfa": histogram_delta(before, after, "voicegw_ttfa_seconds").get(""),
         "ttfa_parts": histogram_delta(before, after, "voicegw_ttfa_part_seconds", "part"),
+        "preemptions": counter_delta(before, after, "voicegw_preemptions_total"),
+        "admission_refused": counter_delta(before, after, "voicegw_admission_refused_total"),
     }

@@ -236,3 +236,14 @@ def test_scrape_histogram_delta() -> None:
     assert d["engine"]["mean_ms"] == pytest.approx((0.05 * 10 + 0.5 * 10) / 20 * 1000)
     assert 0 < d["engine"]["p50_ms"] <= 100.0 < d["engine"]["p95_ms"] <= 1000.0
     assert metrics_url("ws://127.0.0.1:8765/ws") == "http://127.0.0.1:8765/metrics"
+
+
+def test_scrape_counter_delta_and_breakdown() -> None:
+    from loadtest.scrape import counter_delta, parse, server_breakdown
+
+    before = parse("voicegw_preemptions_total 2.0\n")
+    after = parse("voicegw_preemptions_total 5.0\nvoicegw_admission_refused_total 1.0\n")
+    assert counter_delta(before, after, "voicegw_preemptions_total") == 3.0
+    assert counter_delta(None, after, "voicegw_admission_refused_total") == 1.0
+    b = server_breakdown(before, after)
+    assert b["preemptions"] == 3.0 and b["admission_refused"] == 1.0
