@@ -294,7 +294,8 @@ class Segmenter:
 
     def _first_cut(self, buf: str, now_s: float) -> tuple[int, bool]:
         cfg = self.config
-        limit = _prefix_within(buf, cfg.first_max_units)
+        # max_units bounds every segment, the first included (first_max_units may be larger)
+        limit = _prefix_within(buf, min(cfg.first_max_units, cfg.max_units))
         for b in find_boundaries(buf[: limit + 1]):
             if b.end <= limit and text_units(buf[: b.end]) >= cfg.first_min_units:
                 return b.end, False

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gateway.segmenter import Segment, Segmenter, SegmenterConfig, find_boundaries, text_units
@@ -146,6 +146,7 @@ TEXTS = st.lists(st.sampled_from(list("ab cd.,!?3 \n你好。，") + ["Mr. ", "3
                  max_size=200).map("".join)
 
 
+@example(text="aaaaaaaaaaa你你3.14 3.14 3.14 3.14 3.14 3.14 \n", cuts=[2])  # first segment over max_units
 @settings(max_examples=200, deadline=None)
 @given(TEXTS, st.lists(st.integers(min_value=1, max_value=12), min_size=1, max_size=50))
 def test_any_split_keeps_all_text_in_order(text: str, cuts: list[int]):
