@@ -29,7 +29,7 @@ import os
 import platform
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _flag(v: str) -> str:
+    return "true" if v in ("", "1", "true", "on") else "false"
+
+
+#: policy option -> (server setting, value converter)
+_POLICY_OPTIONS: dict[str, tuple[str, Callable[[str], str]]] = {
+    "dispatch": ("scheduler.dispatch", _flag),
+    "reserve": ("scheduler.reserved_slots_fraction", lambda v: str(float(v))),
+    "dlead": ("scheduler.dispatch_lead_ms", lambda v: str(float(v))),
+    "preempt": ("scheduler.preempt", _flag),
+    "pbuf": ("scheduler.preempt_min_buffer_ms", lambda v: str(float(v))),
+    "pmax": ("scheduler.preempt_max_per_segment", lambda v: str(int(v))),
+}
+
+
 def _policy_spec(spec: str, lead: float | None, slack: float | None
                  ) -> tuple[str, float | None, float | None, dict[str, str]]:
     """``priority``, ``fcfs``, ``buffer`` or ``priority:lead=0:slack=2000:dispatch=1:reserve=0.25:dlead=1500``.
@@ -89,18 +104,9 @@ def _policy_spec(spec: str, lead: float | None, slack: float | None
             lead = float(v)
         elif k == "slack":
             slack = float(v)
-        elif k == "dispatch":
-            extra["scheduler.dispatch"] = "true" if v in ("", "1", "true", "on") else "false"
-        elif k == "reserve":
-            extra["scheduler.reserved_slots_fraction"] = str(float(v))
-        elif k == "dlead":
-            extra["scheduler.dispatch_lead_ms"] = str(float(v))
-        elif k == "preempt":
-            extra["scheduler.preempt"] = "true" if v in ("", "1", "true", "on") else "false"
-        elif k == "pbuf":
-            extra["scheduler.preempt_min_buffer_ms"] = str(float(v))
-        elif k == "pmax":
-            extra["scheduler.preempt_max_per_segment"] = str(int(v))
+        elif k in _POLICY_OPTIONS:
+            key, conv = _POLICY_OPTIONS[k]
+            extra[key] = conv(v)
         else:
             raise SystemExit(f"unknown policy option {opt!r} in {spec!r} (lead=MS, slack=MS, dispatch=1, "
                              "reserve=F, dlead=MS, preempt=1, pbuf=MS, pmax=N)")
