@@ -12,6 +12,13 @@ window frames ``t .. t + span`` only, so the first ``len - span`` outputs of a p
 exactly the outputs of that stream alone; the rest is cut off. Per-frame ops are unaffected by
 padding.
 
+Per-stream work is index arithmetic, not tensor ops: the stage caches of all streams live in one
+pool tensor per stage (``[slots, channels, span]``, a slot per open stream), and a stage's windows
+are gathered in one ``index_select`` from ``[zero column | the batch's caches | new frames]``;
+the new caches go back with one ``index_copy_``. A forward therefore launches a fixed number of
+kernels per stage whatever the batch size (on a GPU the per-stream ops, not the arithmetic, were
+what limited a batch: ~0.75 ms per stream per forward on an H200).
+
 Provisional output (``lookahead_steps`` below the exact value): after the exact push, the
 samples between the exact frontier and the requested end are taken from a *provisional
 flush* (the same stages on copies of the caches, with the sequence treated as ending now:
@@ -26,7 +33,9 @@ Not thread-safe: one caller at a time (``BatchingDecoder`` runs it in a single w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.decoder.nets import Stage, Vocoder
+from engine.decoder.nets import Vocoder
 from engine.decoder.window import ConvStep, OlaStep, OlaWindow, StackWindow
 
 
@@ -44,7 +53,8 @@ class StreamState:
 
     stack: StackWindow
     ola: OlaWindow
-    caches: list[Tensor | None]
+    slot: int
+    """Row of this stream's stage caches in the decoder's cache pools."""
     acc: Tensor
     """Overlap-add accumulator, absolute samples ``[ola.consumed, n_frames*hop + n_fft - hop)``."""
     env: Tensor
@@ -60,6 +70,8 @@ class StreamState:
     """Provisional continuation after the emitted frontier (provisional mode only): the next
     output starts with a crossfade from it, so a revised seam does not click."""
     tag: object = field(default=None, compare=False)
+    release: Callable[[], object] = field(default=lambda: None, compare=False, repr=False)
+    """Gives the slot back (once; also when the state is garbage-collected)."""
 
 
 @dataclass(frozen=True)
@@ -76,11 +88,48 @@ class DecodeJob:
     emit_steps: int | None = None
 
 
+def _body_index(pos: np.ndarray, pl: np.ndarray, ca: np.ndarray, nn: np.ndarray, cache0: np.ndarray,
+                new0: np.ndarray) -> np.ndarray:
+    """Source column of body position ``pos`` (per pass, broadcast): 0 (the zero column) in the
+    left padding and past the body, ``cache0 + j`` in the cached part, ``new0 + j`` in the new."""
+    in_cache = (pos >= pl) & (pos < pl + ca)
+    in_new = (pos >= pl + ca) & (pos < pl + ca + nn)
+    return np.where(in_cache, cache0 + pos - pl, 0) + np.where(in_new, new0 + pos - pl - ca, 0)
+
+
 @dataclass
 class _Pass:
     steps: list[ConvStep]
-    caches: list[Tensor | None]
-    new: Tensor  # first-stage input frames [C, n]
+    slot: int
+    offset: int
+    """Column of this pass's first-stage input frames in the batch's frame tensor."""
+
+
+class _Slots:
+    """Cache-pool rows: the lowest free one is handed out (thread-safe: streams are opened on the
+    event loop, released there, in the decoder thread, or by the garbage collector)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[int] = []
+        self._next = 0
+
+    def take(self) -> int:
+        with self._lock:
+            if self._free:
+                self._free.sort(reverse=True)
+                return self._free.pop()
+            self._next += 1
+            return self._next - 1
+
+    def give(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    @property
+    def in_use(self) -> int:
+        with self._lock:
+            return self._next - len(self._free)
 
 
 class StreamingVocoder:
@@ -95,20 +144,38 @@ class StreamingVocoder:
         self._in_ch = vocoder.front.in_dim
         self._win_sq = vocoder.vocos.window.square()
         self._empty = torch.zeros(0, 0, device=self.device, dtype=self.dtype)
+        stages = vocoder.stages
+        self._in_chs = [int(st.in_channels) for st in stages]
+        self._spans = [int(st.reach.span) for st in stages]
+        self._slots = _Slots()
+        self._pools: list[Tensor] = [
+            torch.zeros(0, c, k, device=self.device, dtype=self.dtype) for c, k in zip(self._in_chs, self._spans, strict=True)
+        ]
+        """Per stage: ``[slots, in_channels, span]``; a stream's cache is the first ``ConvStep.keep``
+        columns of its row. Grown (never shrunk) in the decoder thread: the peak of open streams."""
+        self._zero_cols = [torch.zeros(c, 1, device=self.device, dtype=self.dtype) for c in self._in_chs]
 
     # ------------------------------------------------------------------ streams
 
     def open(self, tag: object = None) -> StreamState:
         g = self.geometry
         tail = g.n_fft - g.hop
-        return StreamState(
+        slot = self._slots.take()
+        st = StreamState(
             stack=StackWindow(g.stage_reaches),
             ola=OlaWindow(g.n_fft, g.hop, g.center),
-            caches=[None] * len(g.stage_reaches),
+            slot=slot,
             acc=torch.zeros(tail, device=self.device, dtype=self.dtype),
             env=torch.zeros(tail, device=self.device, dtype=self.dtype),
             tag=tag,
         )
+        st.release = weakref.finalize(st, self._slots.give, slot)
+        return st
+
+    @property
+    def open_streams(self) -> int:
+        """Streams opened and neither finished nor garbage-collected (cache-pool rows in use)."""
+        return self._slots.in_use
 
     @property
     def step_dim(self) -> int:
@@ -126,18 +193,17 @@ class StreamingVocoder:
             seen.add(id(j.state))
             if j.state.finished:
                 raise ValueError("push to a finished stream")
-        frames = self._input_frames([j.x for j in jobs])
+        flat, spans = self._input_frames([j.x for j in jobs])
         passes = []
-        for j, fr in zip(jobs, frames, strict=True):
+        for j, (off, n) in zip(jobs, spans, strict=True):
             st = j.state
             st.steps_in += j.x.shape[0]
-            passes.append(_Pass(st.stack.push(fr.shape[1], j.final), st.caches, fr))
-        outs = self._run(passes)
-        results: list[np.ndarray] = []
+            passes.append(_Pass(st.stack.push(n, j.final), st.slot, off))
+        outs = self._run(passes, flat)
+        pieces: list[Tensor] = []
         spec_jobs: list[int] = []
-        for i, (j, p, frames_out) in enumerate(zip(jobs, passes, outs, strict=True)):
+        for j, frames_out in zip(jobs, outs, strict=True):
             st = j.state
-            st.caches = p.caches
             audio = self._overlap_add(st, frames_out, j.final)
             before = st.exact_samples
             st.exact_samples += audio.shape[0]
@@ -145,7 +211,12 @@ class StreamingVocoder:
             audio = audio[skip:]
             st.emitted_samples += audio.shape[0]
             st.finished = j.final
-            results.append(audio.float().cpu().numpy())
+            if j.final:
+                st.release()
+            pieces.append(audio)
+        results = self._to_numpy(pieces)
+        for i, j in enumerate(jobs):
+            st = j.state
             if not j.final and j.emit_steps is not None:
                 want = min(j.emit_steps, st.steps_in) * self.geometry.samples_per_step
                 if want > st.emitted_samples:
@@ -176,8 +247,9 @@ class StreamingVocoder:
 
     # ------------------------------------------------------------------ internals
 
-    def _input_frames(self, xs: Sequence[np.ndarray]) -> list[Tensor]:
-        """Per-step inputs -> first-stage frames, one batched (per-step) op for all jobs."""
+    def _input_frames(self, xs: Sequence[np.ndarray]) -> tuple[Tensor, list[tuple[int, int]]]:
+        """Per-step inputs -> first-stage frames of all jobs side by side ``[C, frames]`` (one
+        batched per-step op), and each job's ``(first column, frames)``."""
         sd = self.step_dim
         lens = [int(x.shape[0]) for x in xs]
         for x in xs:
@@ -191,53 +263,96 @@ class StreamingVocoder:
         else:
             cat = np.concatenate([np.asarray(x, dtype=np.float32) for x in xs]) if xs else np.zeros((0, sd), np.float32)
             t = torch.from_numpy(cat).to(self.device, self.dtype)
-        feats = self.vocoder.front.step_features(t)
-        out = []
-        for part in torch.split(feats, lens):
-            out.append(self.vocoder.front.to_frames(part))
-        return out
+        flat = self.vocoder.front.to_frames(self.vocoder.front.step_features(t))  # per step, in order
+        per_step = flat.shape[1] // max(1, sum(lens))
+        spans, off = [], 0
+        for n in lens:
+            spans.append((off * per_step, n * per_step))
+            off += n
+        return flat, spans
 
-    def _run(self, passes: Sequence[_Pass]) -> list[Tensor]:
-        """Run all stages for all passes (batched per stage); update ``caches`` in place."""
-        news = [p.new for p in passes]
-        stage: Stage
+    def _grow_pools(self, slots: Sequence[int]) -> None:
+        need = max(slots, default=-1) + 1
+        cap = self._pools[0].shape[0] if self._pools else 0
+        if need <= cap:
+            return
+        new_cap = max(need, 2 * cap, 16)
+        for s, old in enumerate(self._pools):
+            grown = old.new_zeros(new_cap, old.shape[1], old.shape[2])
+            grown[: old.shape[0]] = old
+            self._pools[s] = grown
+
+    def _run(self, passes: Sequence[_Pass], flat: Tensor) -> list[Tensor]:
+        """Run all stages for all passes (batched per stage; caches read from and written back
+        to the pools); return each pass's last-stage output frames.
+
+        ``flat``: first-stage input frames of all passes side by side, ``_Pass.offset`` into it.
+        """
+        n_pass = len(passes)
+        slots = [p.slot for p in passes]
+        self._grow_pools(slots)
+        slots_t = torch.tensor(slots, dtype=torch.long, device=self.device)
+        offsets = [p.offset for p in passes]
+        outs: list[Tensor] = [self._empty] * n_pass
         for s, stage in enumerate(self.vocoder.stages):
-            windows: list[Tensor | None] = []
-            for p, new in zip(passes, news, strict=True):
-                step = p.steps[s]
-                parts = []
-                ch = stage.in_channels
-                if step.pad_left:
-                    parts.append(new.new_zeros(ch, step.pad_left))
-                cache = p.caches[s]
-                if cache is not None and cache.shape[1]:
-                    parts.append(cache)
-                if new.shape[1]:
-                    parts.append(new)
-                body = torch.cat(parts, dim=1) if len(parts) > 1 else (parts[0] if parts else new)
-                p.caches[s] = body[:, body.shape[1] - step.keep :] if step.keep else None
-                if step.runs:
-                    win = torch.cat([body, body.new_zeros(ch, step.pad_right)], dim=1) if step.pad_right else body
-                    windows.append(win)
-                else:
-                    windows.append(None)
-            outs = self._batched(stage, windows)
-            news = [o if o is not None else self._empty for o in outs]
-        return news
+            ch, k = self._in_chs[s], self._spans[s]
+            steps = [p.steps[s] for p in passes]
+            read = k > 0 and any(st.cached for st in steps)
+            write = k > 0 and any(st.keep for st in steps)
+            running = [i for i, st in enumerate(steps) if st.runs]
+            if not running and not write:
+                flat = self._empty
+                continue
+            parts = [self._zero_cols[s]]
+            if read:
+                # [slots, C, k] -> [C, n_pass * k]: pass i's cache at columns 1 + i*k ...
+                parts.append(self._pools[s].index_select(0, slots_t).permute(1, 0, 2).reshape(ch, n_pass * k))
+            base_new = 1 + (n_pass * k if read else 0)
+            if flat.shape[1]:
+                parts.append(flat)
+            src = torch.cat(parts, dim=1)
+            # column indices into src, for all passes at once: body = pad_left zeros (column 0)
+            # + cached + new; a window adds pad_right zeros; a cache is the body's last `keep`
+            geo = np.array([(st.pad_left, st.cached, st.n_new, st.keep) for st in steps], dtype=np.int64).reshape(n_pass, 4)
+            pl, ca, nn, kp = (geo[:, c : c + 1] for c in range(4))
+            cache0 = 1 + np.arange(n_pass, dtype=np.int64)[:, None] * k
+            new0 = base_new + np.asarray(offsets, dtype=np.int64)[:, None]
+            if write:  # past a pass's `keep` the row gets zeros (never read: next `cached` = keep)
+                pos = (pl + ca + nn - kp) + np.arange(k, dtype=np.int64)[None, :]
+                keep_idx = _body_index(pos, pl, ca, nn, cache0, new0)
+                kept = src.index_select(1, torch.from_numpy(keep_idx.reshape(-1)).to(self.device))
+                self._pools[s].index_copy_(0, slots_t, kept.view(ch, n_pass, k).permute(1, 0, 2))
+            if not running:
+                flat = self._empty
+                offsets = [0] * n_pass
+                continue
+            lmax = max(steps[i].window for i in running)
+            rows = np.asarray(running, dtype=np.int64)
+            pos = np.broadcast_to(np.arange(lmax, dtype=np.int64)[None, :], (len(running), lmax))
+            win_idx = _body_index(pos, pl[rows], ca[rows], nn[rows], cache0[rows], new0[rows])
+            wins = src.index_select(1, torch.from_numpy(win_idx.reshape(-1)).to(self.device))
+            y = stage.valid(wins.view(ch, len(running), lmax).permute(1, 0, 2).contiguous())
+            width = y.shape[2]  # lmax - span
+            if s + 1 < len(self._in_chs):
+                flat = y.permute(1, 0, 2).reshape(y.shape[1], len(running) * width)
+                offsets = [0] * n_pass
+                for r, i in enumerate(running):
+                    offsets[i] = r * width
+            else:
+                for r, i in enumerate(running):
+                    outs[i] = y[r, :, : steps[i].n_out]
+        return outs
 
-    def _batched(self, stage: Stage, windows: list[Tensor | None]) -> list[Tensor | None]:
-        idx = [i for i, w in enumerate(windows) if w is not None]
-        out: list[Tensor | None] = [None] * len(windows)
-        if not idx:
-            return out
-        span = stage.reach.span
-        wins = [w for w in windows if w is not None]
-        lens = [w.shape[1] for w in wins]
-        lmax = max(lens)
-        rows = [w if w.shape[1] == lmax else F.pad(w, (0, lmax - w.shape[1])) for w in wins]
-        y = stage.valid(torch.stack(rows))
-        for k, i in enumerate(idx):
-            out[i] = y[k, :, : lens[k] - span]
+    def _to_numpy(self, pieces: Sequence[Tensor]) -> list[np.ndarray]:
+        """Each job's audio as float32 numpy, with one device-to-host copy for the batch."""
+        lens = [int(p.shape[0]) for p in pieces]
+        if not sum(lens):
+            return [np.zeros(0, dtype=np.float32) for _ in pieces]
+        host = torch.cat([p for p in pieces if p.shape[0]]).float().cpu().numpy()
+        out, off = [], 0
+        for n in lens:
+            out.append(host[off : off + n])
+            off += n
         return out
 
     def _overlap_add(self, st: StreamState, frames: Tensor, final: bool) -> Tensor:
@@ -272,9 +387,10 @@ class StreamingVocoder:
         for j in jobs:
             st = j.state
             stack = st.stack.copy()
-            passes.append(_Pass(stack.push(0, final=True), list(st.caches), torch.zeros(self._in_ch, 0, device=self.device, dtype=self.dtype)))
+            # a final push of nothing: keep is 0 at every stage, so the pools are only read
+            passes.append(_Pass(stack.push(0, final=True), st.slot, 0))
             olas.append(st.ola.copy())
-        outs = self._run(passes)
+        outs = self._run(passes, self._empty)
         res = []
         for j, frames, ola in zip(jobs, outs, olas, strict=True):
             st = j.state

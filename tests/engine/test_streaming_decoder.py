@@ -289,6 +289,41 @@ def test_batched_equals_alone(size: str, path: str, vocoders: dict) -> None:
         np.testing.assert_allclose(got, alone[i], atol=TOL)
 
 
+def test_cache_pool_slots_are_reused_and_exact(vocoders: dict) -> None:
+    """Stage caches live in pooled rows: a finished or dropped stream gives its row back, the next
+    stream takes the lowest free one (stale contents never read), and the pool grows past its
+    first size without disturbing streams in flight."""
+    import gc
+
+    voc = vocoders[("tiny", "codes")]
+    sv = StreamingVocoder(voc)
+    xs = [_inputs(voc, 70, seed=40 + i) for i in range(3)]
+    a, b = sv.open(), sv.open()
+    assert (a.slot, b.slot, sv.open_streams) == (0, 1, 2)
+    outs = sv.decode([DecodeJob(a, xs[0][:30]), DecodeJob(b, xs[1][:25])])
+    out_b = sv.decode([DecodeJob(b, xs[1][25:], final=True)])
+    assert sv.open_streams == 1  # b finished: its row is free
+    np.testing.assert_allclose(np.concatenate([outs[1], out_b[0]]), _whole(voc, xs[1]), atol=TOL)
+    c = sv.open()
+    assert c.slot == 1  # b's row, holding b's caches: c must not read them
+    dropped = sv.open()
+    assert dropped.slot == 2
+    del dropped
+    gc.collect()
+    assert sv.open_streams == 2
+    many = [sv.open() for _ in range(40)]  # grows the pools while a and c are mid-stream
+    assert max(st.slot for st in many) >= 40
+    outs += sv.decode([DecodeJob(a, xs[0][30:50]), DecodeJob(c, xs[2][:33]), DecodeJob(many[-1], xs[1][:9])])
+    outs += sv.decode([DecodeJob(a, xs[0][50:], final=True), DecodeJob(c, xs[2][33:], final=True)])
+    got_a = np.concatenate([outs[0], outs[2], outs[5]])
+    got_c = np.concatenate([outs[3], outs[6]])
+    np.testing.assert_allclose(got_a, _whole(voc, xs[0]), atol=TOL)
+    np.testing.assert_allclose(got_c, _whole(voc, xs[2]), atol=TOL)
+    del many
+    gc.collect()
+    assert sv.open_streams == 0
+
+
 async def test_batching_decoder_concurrent_streams(vocoders: dict) -> None:
     voc = vocoders[("tiny", "codes")]
     dec = BatchingDecoder(StreamingVocoder(voc), max_batch=8, batch_wait_ms=5.0)
