@@ -98,6 +98,25 @@ def _body_index(pos: np.ndarray, pl: np.ndarray, ca: np.ndarray, nn: np.ndarray,
 
 
 @dataclass
+class _StagePlan:
+    """One stage of one forward, planned on the host (``StreamingVocoder._plan``)."""
+
+    read: bool
+    """Some pass has cached frames at this stage (gather the batch's pool rows)."""
+    write: bool
+    """Some pass keeps frames (scatter the new caches back)."""
+    running: list[int]
+    """Passes that produce outputs, in window-row order."""
+    n_out: list[int]
+    """Output frames per pass."""
+    lmax: int = 0
+    """Window length (the longest running window; shorter ones are zero-padded)."""
+    keep_at: tuple[int, int] = (0, 0)
+    win_at: tuple[int, int] = (0, 0)
+    """Slices of the packed index array."""
+
+
+@dataclass
 class _Pass:
     steps: list[ConvStep]
     slot: int
@@ -282,65 +301,89 @@ class StreamingVocoder:
             grown[: old.shape[0]] = old
             self._pools[s] = grown
 
+    def _plan(self, passes: Sequence[_Pass]) -> tuple[list[_StagePlan], np.ndarray]:
+        """Every stage's gather indices, computed on the host before any kernel runs (they depend
+        on the windows' geometry only), packed in one array: ``[slots | stage 0 | stage 1 | ...]``."""
+        n_pass = len(passes)
+        packed: list[np.ndarray] = [np.asarray([p.slot for p in passes], dtype=np.int64)]
+        at = n_pass
+        offsets = np.asarray([p.offset for p in passes], dtype=np.int64)[:, None]
+        plans: list[_StagePlan] = []
+        for s in range(len(self._in_chs)):
+            k = self._spans[s]
+            steps = [p.steps[s] for p in passes]
+            geo = np.array([(st.pad_left, st.cached, st.n_new, st.keep, st.n_out) for st in steps], dtype=np.int64)
+            pl, ca, nn, kp, no = (geo.reshape(n_pass, 5)[:, c : c + 1] for c in range(5))
+            read = k > 0 and bool(ca.any())
+            write = k > 0 and bool(kp.any())
+            running = np.flatnonzero(no[:, 0] > 0)
+            plan = _StagePlan(read=read, write=write, running=running.tolist(), n_out=no[:, 0].tolist())
+            # src = [zero column | the batch's caches (pass i at 1 + i*k) | new frames]
+            cache0 = 1 + np.arange(n_pass, dtype=np.int64)[:, None] * k
+            new0 = 1 + (n_pass * k if read else 0) + offsets
+            if write:  # past a pass's `keep` the row gets zeros (never read: next `cached` = keep)
+                pos = (pl + ca + nn - kp) + np.arange(k, dtype=np.int64)[None, :]
+                idx = _body_index(pos, pl, ca, nn, cache0, new0)
+                plan.keep_at = (at, at + idx.size)
+                packed.append(idx.reshape(-1))
+                at += idx.size
+            if len(running):
+                # a window is its body + pad_right zeros, then zeros up to the longest window
+                plan.lmax = max(steps[i].window for i in plan.running)
+                pos = np.broadcast_to(np.arange(plan.lmax, dtype=np.int64)[None, :], (len(running), plan.lmax))
+                r = running
+                idx = _body_index(pos, pl[r], ca[r], nn[r], cache0[r], new0[r])
+                plan.win_at = (at, at + idx.size)
+                packed.append(idx.reshape(-1))
+                at += idx.size
+                width = plan.lmax - k  # valid outputs per window row
+                offsets = np.zeros((n_pass, 1), dtype=np.int64)
+                offsets[running, 0] = np.arange(len(running), dtype=np.int64) * width
+            else:
+                offsets = np.zeros((n_pass, 1), dtype=np.int64)
+            plans.append(plan)
+        return plans, np.concatenate(packed)
+
     def _run(self, passes: Sequence[_Pass], flat: Tensor) -> list[Tensor]:
         """Run all stages for all passes (batched per stage; caches read from and written back
         to the pools); return each pass's last-stage output frames.
 
         ``flat``: first-stage input frames of all passes side by side, ``_Pass.offset`` into it.
+        Kernels only: the indices go to the device in one copy before the first stage, so the
+        host never waits for the device inside a forward.
         """
         n_pass = len(passes)
-        slots = [p.slot for p in passes]
-        self._grow_pools(slots)
-        slots_t = torch.tensor(slots, dtype=torch.long, device=self.device)
-        offsets = [p.offset for p in passes]
+        self._grow_pools([p.slot for p in passes])
+        plans, packed = self._plan(passes)
+        dev = torch.from_numpy(packed).to(self.device)
+        slots_t = dev[:n_pass]
         outs: list[Tensor] = [self._empty] * n_pass
-        for s, stage in enumerate(self.vocoder.stages):
+        last = len(plans) - 1
+        for s, (stage, plan) in enumerate(zip(self.vocoder.stages, plans, strict=True)):
             ch, k = self._in_chs[s], self._spans[s]
-            steps = [p.steps[s] for p in passes]
-            read = k > 0 and any(st.cached for st in steps)
-            write = k > 0 and any(st.keep for st in steps)
-            running = [i for i, st in enumerate(steps) if st.runs]
-            if not running and not write:
+            if not plan.running and not plan.write:
                 flat = self._empty
                 continue
             parts = [self._zero_cols[s]]
-            if read:
-                # [slots, C, k] -> [C, n_pass * k]: pass i's cache at columns 1 + i*k ...
+            if plan.read:  # [slots, C, k] -> [C, n_pass * k]
                 parts.append(self._pools[s].index_select(0, slots_t).permute(1, 0, 2).reshape(ch, n_pass * k))
-            base_new = 1 + (n_pass * k if read else 0)
             if flat.shape[1]:
                 parts.append(flat)
             src = torch.cat(parts, dim=1)
-            # column indices into src, for all passes at once: body = pad_left zeros (column 0)
-            # + cached + new; a window adds pad_right zeros; a cache is the body's last `keep`
-            geo = np.array([(st.pad_left, st.cached, st.n_new, st.keep) for st in steps], dtype=np.int64).reshape(n_pass, 4)
-            pl, ca, nn, kp = (geo[:, c : c + 1] for c in range(4))
-            cache0 = 1 + np.arange(n_pass, dtype=np.int64)[:, None] * k
-            new0 = base_new + np.asarray(offsets, dtype=np.int64)[:, None]
-            if write:  # past a pass's `keep` the row gets zeros (never read: next `cached` = keep)
-                pos = (pl + ca + nn - kp) + np.arange(k, dtype=np.int64)[None, :]
-                keep_idx = _body_index(pos, pl, ca, nn, cache0, new0)
-                kept = src.index_select(1, torch.from_numpy(keep_idx.reshape(-1)).to(self.device))
+            if plan.write:
+                kept = src.index_select(1, dev[plan.keep_at[0] : plan.keep_at[1]])
                 self._pools[s].index_copy_(0, slots_t, kept.view(ch, n_pass, k).permute(1, 0, 2))
-            if not running:
+            if not plan.running:
                 flat = self._empty
-                offsets = [0] * n_pass
                 continue
-            lmax = max(steps[i].window for i in running)
-            rows = np.asarray(running, dtype=np.int64)
-            pos = np.broadcast_to(np.arange(lmax, dtype=np.int64)[None, :], (len(running), lmax))
-            win_idx = _body_index(pos, pl[rows], ca[rows], nn[rows], cache0[rows], new0[rows])
-            wins = src.index_select(1, torch.from_numpy(win_idx.reshape(-1)).to(self.device))
-            y = stage.valid(wins.view(ch, len(running), lmax).permute(1, 0, 2).contiguous())
-            width = y.shape[2]  # lmax - span
-            if s + 1 < len(self._in_chs):
-                flat = y.permute(1, 0, 2).reshape(y.shape[1], len(running) * width)
-                offsets = [0] * n_pass
-                for r, i in enumerate(running):
-                    offsets[i] = r * width
+            n_run = len(plan.running)
+            wins = src.index_select(1, dev[plan.win_at[0] : plan.win_at[1]])
+            y = stage.valid(wins.view(ch, n_run, plan.lmax).permute(1, 0, 2).contiguous())
+            if s < last:
+                flat = y.permute(1, 0, 2).reshape(y.shape[1], n_run * y.shape[2])
             else:
-                for r, i in enumerate(running):
-                    outs[i] = y[r, :, : steps[i].n_out]
+                for r, i in enumerate(plan.running):
+                    outs[i] = y[r, :, : plan.n_out[i]]
         return outs
 
     def _to_numpy(self, pieces: Sequence[Tensor]) -> list[np.ndarray]:
