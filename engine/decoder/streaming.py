@@ -37,6 +37,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -86,6 +87,10 @@ class DecodeJob:
     x: np.ndarray
     final: bool = False
     emit_steps: int | None = None
+
+
+_SMALL_BATCH = 8
+"""Up to this many streams in a forward, ``StreamingVocoder._plan`` builds indices in plain Python."""
 
 
 def _body_index(pos: np.ndarray, pl: np.ndarray, ca: np.ndarray, nn: np.ndarray, cache0: np.ndarray,
@@ -303,46 +308,67 @@ class StreamingVocoder:
 
     def _plan(self, passes: Sequence[_Pass]) -> tuple[list[_StagePlan], np.ndarray]:
         """Every stage's gather indices, computed on the host before any kernel runs (they depend
-        on the windows' geometry only), packed in one array: ``[slots | stage 0 | stage 1 | ...]``."""
+        on the windows' geometry only), packed in one array: ``[slots | stage 0 | stage 1 | ...]``.
+
+        In ``src = [zero column | the batch's caches (pass i at 1 + i*k) | new frames]``: a body is
+        ``pad_left`` zeros + cached + new; a window is its body + ``pad_right`` zeros, then zeros up
+        to the longest window; a new cache is the body's last ``keep`` columns, then zeros (never
+        read: the next push's ``cached`` is ``keep``). Small batches build the lists in Python
+        (a numpy call costs more than a short list), large ones in numpy; the same indices.
+        """
         n_pass = len(passes)
-        packed: list[np.ndarray] = [np.asarray([p.slot for p in passes], dtype=np.int64)]
+        small = n_pass <= _SMALL_BATCH
+        packed: list[Any] = [[p.slot for p in passes]]
         at = n_pass
-        offsets = np.asarray([p.offset for p in passes], dtype=np.int64)[:, None]
+        offsets = [p.offset for p in passes]
         plans: list[_StagePlan] = []
-        for s in range(len(self._in_chs)):
-            k = self._spans[s]
+        for s, k in enumerate(self._spans):
             steps = [p.steps[s] for p in passes]
-            geo = np.array([(st.pad_left, st.cached, st.n_new, st.keep, st.n_out) for st in steps], dtype=np.int64)
-            pl, ca, nn, kp, no = (geo.reshape(n_pass, 5)[:, c : c + 1] for c in range(5))
-            read = k > 0 and bool(ca.any())
-            write = k > 0 and bool(kp.any())
-            running = np.flatnonzero(no[:, 0] > 0)
-            plan = _StagePlan(read=read, write=write, running=running.tolist(), n_out=no[:, 0].tolist())
-            # src = [zero column | the batch's caches (pass i at 1 + i*k) | new frames]
-            cache0 = 1 + np.arange(n_pass, dtype=np.int64)[:, None] * k
-            new0 = 1 + (n_pass * k if read else 0) + offsets
-            if write:  # past a pass's `keep` the row gets zeros (never read: next `cached` = keep)
-                pos = (pl + ca + nn - kp) + np.arange(k, dtype=np.int64)[None, :]
-                idx = _body_index(pos, pl, ca, nn, cache0, new0)
-                plan.keep_at = (at, at + idx.size)
-                packed.append(idx.reshape(-1))
-                at += idx.size
-            if len(running):
-                # a window is its body + pad_right zeros, then zeros up to the longest window
-                plan.lmax = max(steps[i].window for i in plan.running)
-                pos = np.broadcast_to(np.arange(plan.lmax, dtype=np.int64)[None, :], (len(running), plan.lmax))
-                r = running
-                idx = _body_index(pos, pl[r], ca[r], nn[r], cache0[r], new0[r])
-                plan.win_at = (at, at + idx.size)
-                packed.append(idx.reshape(-1))
-                at += idx.size
-                width = plan.lmax - k  # valid outputs per window row
-                offsets = np.zeros((n_pass, 1), dtype=np.int64)
-                offsets[running, 0] = np.arange(len(running), dtype=np.int64) * width
+            running = [i for i, st in enumerate(steps) if st.n_out > 0]
+            plan = _StagePlan(read=k > 0 and any(st.cached for st in steps),
+                              write=k > 0 and any(st.keep for st in steps),
+                              running=running, n_out=[st.n_out for st in steps])
+            new_base = 1 + (n_pass * k if plan.read else 0)
+            if running:
+                plan.lmax = max(steps[i].window for i in running)
+            if small:
+                bodies = [[0] * st.pad_left + list(range(1 + i * k, 1 + i * k + st.cached))
+                          + list(range(new_base + offsets[i], new_base + offsets[i] + st.n_new))
+                          for i, st in enumerate(steps)]
+                if plan.write:
+                    idx = [c for st, body in zip(steps, bodies, strict=True)
+                           for c in (body[len(body) - st.keep :] if st.keep else []) + [0] * (k - st.keep)]
+                    plan.keep_at = (at, at + len(idx))
+                    packed.append(idx)
+                    at += len(idx)
+                if running:
+                    idx = [c for i in running for c in bodies[i] + [0] * (plan.lmax - len(bodies[i]))]
+                    plan.win_at = (at, at + len(idx))
+                    packed.append(idx)
+                    at += len(idx)
             else:
-                offsets = np.zeros((n_pass, 1), dtype=np.int64)
+                geo = np.array([(st.pad_left, st.cached, st.n_new, st.keep) for st in steps], dtype=np.int64)
+                pl, ca, nn, kp = (geo[:, c : c + 1] for c in range(4))
+                cache0 = 1 + np.arange(n_pass, dtype=np.int64)[:, None] * k
+                new0 = new_base + np.asarray(offsets, dtype=np.int64)[:, None]
+                if plan.write:
+                    pos = (pl + ca + nn - kp) + np.arange(k, dtype=np.int64)[None, :]
+                    arr = _body_index(pos, pl, ca, nn, cache0, new0).reshape(-1)
+                    plan.keep_at = (at, at + arr.size)
+                    packed.append(arr)
+                    at += arr.size
+                if running:
+                    r = np.asarray(running, dtype=np.int64)
+                    pos = np.broadcast_to(np.arange(plan.lmax, dtype=np.int64)[None, :], (len(running), plan.lmax))
+                    arr = _body_index(pos, pl[r], ca[r], nn[r], cache0[r], new0[r]).reshape(-1)
+                    plan.win_at = (at, at + arr.size)
+                    packed.append(arr)
+                    at += arr.size
+            offsets = [0] * n_pass
+            for row, i in enumerate(running):
+                offsets[i] = row * (plan.lmax - k)  # valid outputs per window row: lmax - span
             plans.append(plan)
-        return plans, np.concatenate(packed)
+        return plans, np.concatenate([np.asarray(x, dtype=np.int64) for x in packed])
 
     def _run(self, passes: Sequence[_Pass], flat: Tensor) -> list[Tensor]:
         """Run all stages for all passes (batched per stage; caches read from and written back

@@ -257,9 +257,17 @@ def test_exact_emission_follows_geometry(vocoders: dict) -> None:
 # --------------------------------------------------------------------------- batching
 
 
-@pytest.mark.parametrize(("size", "path"), [("tiny", "codes"), ("tiny", "hidden"), ("full", "codes")])
-def test_batched_equals_alone(size: str, path: str, vocoders: dict) -> None:
-    """Streams of different lengths and push sizes in shared forwards == each decoded alone."""
+@pytest.mark.parametrize(("size", "path", "planner"), [
+    ("tiny", "codes", "python"), ("tiny", "hidden", "python"), ("full", "codes", "python"),
+    ("tiny", "codes", "numpy"), ("full", "codes", "numpy"),
+])
+def test_batched_equals_alone(size: str, path: str, planner: str, vocoders: dict,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streams of different lengths and push sizes in shared forwards == each decoded alone,
+    with either index planner (plain Python for small batches, numpy for large ones)."""
+    from engine.decoder import streaming
+
+    monkeypatch.setattr(streaming, "_SMALL_BATCH", 64 if planner == "python" else 0)
     voc = vocoders[(size, path)]
     sv = StreamingVocoder(voc)
     rng = np.random.default_rng(11)
