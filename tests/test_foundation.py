@@ -26,6 +26,7 @@ def test_defaults_and_precedence(tmp_path: Path) -> None:
     assert cfg.engine.backend == "espeak"
     assert cfg.limits.max_sessions == 7
     assert load_config(env={}) == Config()
+    assert load_config(env={"VOICEGW_ENGINE_DECODER_DEVICE": "cuda:1"}).engine.decoder_device == "cuda:1"
 
 
 @pytest.mark.parametrize(
@@ -37,6 +38,7 @@ def test_defaults_and_precedence(tmp_path: Path) -> None:
         ({"VOICEGW_LIMITS_MAX_SESSIONS": "0"}, "limits.max_sessions: must be > 0"),
         ({"VOICEGW_ENGINE_ENFORCE_EAGER": "maybe"}, "engine.enforce_eager: expected a boolean"),
         ({"VOICEGW_GATEWAY_PROT": "1"}, "gateway.prot: unknown setting; known:"),
+        ({"VOICEGW_ENGINE_DECODER_DEVICE": "gpu1"}, "engine.decoder_device: expected '', 'cpu', 'cuda' or 'cuda:N'"),
     ],
 )
 def test_validation_messages_are_clear(env: dict[str, str], message: str) -> None:

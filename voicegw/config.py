@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import inspect
 import os
+import re
 import textwrap
 import tomllib
 import typing
@@ -130,6 +131,10 @@ class EngineConfig:
     decoder_torch_threads: int = 1
     """Torch intra-op threads in the gateway process (decoder forwards); 0 keeps torch's default.
     1 is fastest for the small per-chunk forwards on CPU."""
+    decoder_device: str = ""
+    """Device of the streaming decoder (DVAE + Vocos): empty = the GPT's device; else ``cpu``,
+    ``cuda`` or ``cuda:N``. On a host with a spare GPU, e.g. ``cuda:1``, the decoder's kernels stop
+    time-sharing the GPU that runs the GPT (vLLM's first rank takes the first visible GPU)."""
     use_hidden_decoder: bool = False
     """Vocode GPT hidden states with ``Decoder`` (upstream default) instead of codes with DVAE."""
     synthetic_ttft_ms: float = 40.0
@@ -342,6 +347,8 @@ def _validate(section: str, name: str, value: Any) -> None:
         raise ConfigError(f"engine.decoder_lookahead_steps: must be >= -1 (-1 = exact), got {value!r}")
     if key == ("engine", "decoder_torch_threads") and value < 0:
         raise ConfigError(f"engine.decoder_torch_threads: must be >= 0, got {value!r}")
+    if key == ("engine", "decoder_device") and not re.fullmatch(r"|cpu|cuda(:\d+)?", value):
+        raise ConfigError(f"engine.decoder_device: expected '', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
     if key == ("engine", "data_parallel_size") and value < 1:
         raise ConfigError(f"engine.data_parallel_size: must be >= 1, got {value!r}")
     if key == ("engine", "decoder_batch_wait_ms") and value < 0:

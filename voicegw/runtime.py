@@ -49,7 +49,7 @@ def build_speech_engine(cfg: Config) -> SpeechEngine:
                 torch.set_num_threads(ecfg.decoder_torch_threads)
             code = create_code_engine(ecfg, model_dir)
             code_backend = code.name
-            device = getattr(code, "device", "cpu")
+            device = ecfg.decoder_device or getattr(code, "device", "cpu")
             decoder = build_decoder(ecfg, str(model_dir), device=str(device))
             log.info("engine: ChatTTS (%s) from %s", code_backend, model_dir)
             return ChatTTSSpeech(code, decoder, ecfg)
