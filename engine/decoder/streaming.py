@@ -33,6 +33,7 @@ Not thread-safe: one caller at a time (``BatchingDecoder`` runs it in a single w
 
 from __future__ import annotations
 
+import heapq
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -141,14 +142,13 @@ class _Slots:
     def take(self) -> int:
         with self._lock:
             if self._free:
-                self._free.sort(reverse=True)
-                return self._free.pop()
+                return heapq.heappop(self._free)
             self._next += 1
             return self._next - 1
 
     def give(self, slot: int) -> None:
         with self._lock:
-            self._free.append(slot)
+            heapq.heappush(self._free, slot)
 
     @property
     def in_use(self) -> int:
