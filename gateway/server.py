@@ -390,7 +390,6 @@ class _Connection:
         self.metrics = server.metrics
         self.loop = asyncio.get_running_loop()
         self.sched = EngineScheduler.for_server(server)
-        self.metrics = server.metrics
         self._base_priority: PriorityFn = server.priority_fn or default_priority_fn(server.settings.scheduler)
         self._submits: deque[float] = deque(maxlen=64)
         """client_buffered_ms of the segments the session submitted in the current event, in

@@ -118,6 +118,7 @@ class SimBatchEngine:
 
     async def _loop(self) -> None:
         assert self._wake is not None
+        policy = ChunkPolicy(self.first_chunk_steps, self.chunk_steps, 0)
         while True:
             if not self.running and not self.waiting:
                 self._wake.clear()
@@ -127,7 +128,6 @@ class SimBatchEngine:
             await asyncio.sleep(step_ms / 1000.0)
             self.steps_run += 1
             now = asyncio.get_running_loop().time()
-            policy = ChunkPolicy(self.first_chunk_steps, self.chunk_steps, 0)
             for r in list(self.running):
                 r.steps += 1
                 done = r.steps >= r.total_steps

@@ -165,7 +165,6 @@ class StreamingVocoder:
         self.geometry = vocoder.geometry
         p = next(vocoder.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self._in_ch = vocoder.front.in_dim
         self._win_sq = vocoder.vocos.window.square()
         self._empty = torch.zeros(0, 0, device=self.device, dtype=self.dtype)
         stages = vocoder.stages

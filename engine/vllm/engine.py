@@ -178,7 +178,7 @@ class VllmCodeEngine:
         if self.device == "cpu" and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
             # Cores kept out of the worker's spinning OpenMP pool (EngineConfig.cpu_reserved_cores:
             # the decoder and the gateway run there). The user's env setting wins.
-            reserved = max(0, int(getattr(self.cfg, "cpu_reserved_cores", 1)))
+            reserved = max(0, self.cfg.cpu_reserved_cores)
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(min(reserved, max(0, (os.cpu_count() or 1) - 1)))
         if self.device == "cpu":
             # The legacy VLLM_CPU_KVCACHE_SPACE overrides kv_cache_memory_bytes inside vLLM; our
