@@ -629,6 +629,7 @@ def choose_preemptions(
     free_slots: int = 0,
     min_buffer_ms: float = 1_000.0,
     max_preemptions: int = 2,
+    queued_continuing: int = 0,
 ) -> list[str]:
     """Running segments to preempt (abort and resume later at their deadline priority) so that
     ``waiting_first`` first segments of new utterances get a batch slot now.
@@ -644,9 +645,15 @@ def choose_preemptions(
     than ``max_preemptions`` preemptions so far; deepest client buffer first (ties: fewer
     preemptions, then key); at most one per session (``group``) per call, so one listener does
     not pay for the whole burst.
+
+    Only where it pays: none at all while ``queued_continuing`` > 0, i.e. continuing segments
+    (or earlier preemptions' resumed requests) already wait in the engine for a batch slot. The
+    engine is then oversubscribed: a preempted segment would queue behind them and its client
+    would likely run dry, so preemption would only move the burst's wait onto a stream already
+    playing (measured: bench/RESULTS.md runs N-P, 3 slots for 4-6 speaking sessions).
     """
     need = max(0, int(waiting_first) - max(0, int(free_slots)))
-    if need == 0:
+    if need == 0 or queued_continuing > 0:
         return []
     eligible = [
         r for r in running

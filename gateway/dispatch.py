@@ -213,9 +213,14 @@ class EngineScheduler:
         if not uncovered:
             return []
         submitted = getattr(self.engine, "submitted", None)
+        in_engine = self._in_engine()
         in_engine_first = sum(1 for k in uncovered if not callable(submitted) or submitted(k))
-        others = self._in_engine() - in_engine_first
+        others = in_engine - in_engine_first
         free = max(0, self.max_num_seqs - max(0, others))
+        # first segments with no output yet sit at the head of vLLM's priority queue; whatever
+        # else is beyond the batch limit is a continuing segment waiting for a slot
+        firsts_waiting = sum(1 for k in self._first_waiting if not callable(submitted) or submitted(k))
+        queued_continuing = max(0, in_engine - self.max_num_seqs - firsts_waiting)
         running: list[RunningSegment] = []
         preemptions = getattr(self.engine, "preemptions", None)
         can_preempt = getattr(self.engine, "can_preempt", None)
@@ -231,7 +236,8 @@ class EngineScheduler:
             running.append(RunningSegment(key, float(t.buffered_ms()), False, int(n), t.group))
         keys = choose_preemptions(running, len(uncovered), free_slots=free,
                                   min_buffer_ms=self.preempt_min_buffer_ms,
-                                  max_preemptions=self.preempt_max_per_segment)
+                                  max_preemptions=self.preempt_max_per_segment,
+                                  queued_continuing=queued_continuing)
         for first_key, key in zip(uncovered, keys, strict=False):
             self._covered.add(first_key)
             t = self._tracked[key]

@@ -32,3 +32,11 @@ def test_only_continuing_segments_with_enough_buffer_and_budget() -> None:
 def test_one_per_session_per_call() -> None:
     run = [seg("s1-a", 6_000, group="s1"), seg("s1-b", 5_000, group="s1"), seg("s2-a", 3_000, group="s2")]
     assert choose_preemptions(run, 2, min_buffer_ms=2_000) == ["s1-a", "s2-a"]
+
+
+def test_no_preemption_while_continuing_segments_already_queue() -> None:
+    run = [RunningSegment("deep", 1_800.0, False, group="g1"), RunningSegment("deep2", 1_700.0, False, group="g2")]
+    assert choose_preemptions(run, 1, min_buffer_ms=1_000) == ["deep"]
+    # the engine is oversubscribed: a preempted segment would wait behind those already queued
+    assert choose_preemptions(run, 1, min_buffer_ms=1_000, queued_continuing=1) == []
+    assert choose_preemptions(run, 2, min_buffer_ms=1_000, queued_continuing=0) == ["deep", "deep2"]

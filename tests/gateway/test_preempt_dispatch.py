@@ -109,3 +109,19 @@ async def test_engine_without_preempt_disables_it() -> None:
     eng = StubEngine()
     eng.supports_preempt = False  # type: ignore[misc]
     assert not _sched(eng).preempt_enabled
+
+
+async def test_no_preemption_while_continuing_segments_queue_in_the_engine() -> None:
+    eng = StubEngine()
+    s = _sched(eng, seqs=2)
+    _run(s, eng, "a-1-1", "a", False, 5_000.0)
+    _run(s, eng, "b-1-1", "b", False, 3_000.0)
+    _run(s, eng, "b-1-2", "b", False, 3_000.0)  # b's next segment: beyond the 2 slots, queued
+    s.first_output("a-1-1")
+    s.first_output("b-1-1")
+    _run(s, eng, "c-1-0", "c", True, 0.0)
+    assert s.preempt_for_first() == [], "oversubscribed engine: preemption would only move the wait"
+    s.release("b-1-2")
+    eng.running -= 1
+    _run(s, eng, "d-1-0", "d", True, 0.0)
+    assert s.preempt_for_first() == ["a-1-1", "b-1-1"]
