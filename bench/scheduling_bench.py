@@ -67,7 +67,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-arg", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--out", default="out/bench/scheduling")
     p.add_argument("--results", default=str(RESULTS), help="Markdown file to update ('' = do not)")
+    p.add_argument("--from-raw", default="", metavar="DIR",
+                   help="run nothing: rebuild the table from DIR/raw-<policy>-run<k>.json of an earlier run "
+                        "(records without client stall probes get stalls from gaps in their buffer-level samples)")
     return p
+
+
+#: ``--from-raw`` on records made before the client stall probe: a gap longer than this between
+#: consecutive buffer-level samples (taken every 0.25 s by every session's reporter) is a stall.
+LEVEL_GAP_STALL_S = 0.6
+
+
+def stalls_from_levels(sessions: list[dict[str, Any]], gap_s: float = LEVEL_GAP_STALL_S) -> list[list[float]]:
+    """Client stalls of one worker's sessions inferred from their level samples: every session's
+    reporter appends one every 0.25 s, so a gap in the union of samples is a time the worker's
+    event loop did not run."""
+    ts = sorted({float(lv[0]) for s in sessions for lv in s.get("levels", [])})
+    return [[a, b] for a, b in zip(ts, ts[1:], strict=False) if b - a > gap_s]
+
+
+def load_raw(directory: Path, policies: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Raw scenario results of an earlier run, by policy in run order (``--from-raw``)."""
+    found: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for path in directory.glob("raw-*-run*.json"):
+        m = re.fullmatch(r"raw-(.+)-run(\d+)\.json", path.name)
+        if m is None or (policies and m.group(1) not in policies):
+            continue
+        r = json.loads(path.read_text())
+        by_worker = r["sessions"]
+        if by_worker and all("client_stalls" not in x for x in by_worker):
+            stalls = stalls_from_levels(by_worker)
+            for x in by_worker:
+                x["client_stalls"] = stalls
+        found.setdefault(m.group(1), []).append((int(m.group(2)), r))
+    return {k: [r for _, r in sorted(v, key=lambda t: t[0])] for k, v in found.items()}
 
 
 def _flag(v: str) -> str:
@@ -149,6 +182,11 @@ def _summary(policy: str, results: list[dict[str, Any]], burst_at_s: float, samp
         "playing_private_underrun_ms_after_burst": bg.get("private_underrun_ms_since"),
         "burst_private_underruns": burst.get("private_underruns_since"),
         "shared_underruns": m.get("shared_underruns"),
+        "client_stalls": m.get("client_stalls"),
+        "burst_ttfa_unstalled_ms": burst.get("ttfa_ms_unstalled"),
+        "burst_client_stalled": burst.get("client_stalled_utterances"),
+        "playing_underruns_unstalled": bg.get("underruns_since_unstalled"),
+        "playing_underrun_ms_unstalled": bg.get("underrun_ms_since_unstalled"),
         "errors": m["all"]["errors"],
         "missing_sessions": sum(len(r["missing_sessions"]) for r in results),
         "server": server,
@@ -159,7 +197,9 @@ def _summary(policy: str, results: list[dict[str, Any]], burst_at_s: float, samp
 def _table(rows: list[dict[str, Any]]) -> str:
     head = ["policy", "runs", "burst TTFA p50 ms", "p95", "p99", "server share p50", "p99",
             "playing streams: underruns after burst (private)", "underrun ms (private)",
-            "burst streams: underruns (private)", "underrun ms", "all-stream stalls", "errors"]
+            "burst streams: underruns (private)", "underrun ms", "all-stream stalls", "errors",
+            "client stalls s", "outside client stalls: burst TTFA p50 / p95 / p99 (n)",
+            "playing underruns / ms"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def f(v: Any) -> str:
@@ -167,6 +207,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
     for r in rows:
         t, ts = r["burst_ttfa_ms"] or {}, r["burst_ttfa_segment_ms"] or {}
+        tu = r.get("burst_ttfa_unstalled_ms") or {}
         lines.append("| " + " | ".join([
             r["policy"], str(r["runs"]), f(t.get("p50")), f(t.get("p95")), f(t.get("p99")),
             f(ts.get("p50")), f(ts.get("p99")),
@@ -174,6 +215,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"{f(r['playing_underrun_ms_after_burst'])} ({f(r['playing_private_underrun_ms_after_burst'])})",
             f"{f(r['burst_underruns'])} ({f(r['burst_private_underruns'])})", f(r["burst_underrun_ms"]),
             f(r["shared_underruns"]), str(sum(r["errors"].values()) if r["errors"] else 0),
+            f((r.get("client_stalls") or {}).get("total_s")),
+            "{} / {} / {} ({})".format(f(tu.get("p50")), f(tu.get("p95")), f(tu.get("p99")), f(tu.get("n"))),
+            f"{f(r.get('playing_underruns_unstalled'))} / {f(r.get('playing_underrun_ms_unstalled'))}",
         ]) + " |")
     return "\n".join(lines)
 
@@ -215,8 +259,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     runs: list[tuple[str, dict[str, Any]]] = []
     all_results: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
-    servers: dict[str, dict[str, Any]] = {}
-    for rnd in range(args.rounds):  # rounds interleave the policies: slow drifts of a shared machine hit all
+    servers: dict[str, dict[str, Any]] = {p: {} for p in policies}
+    if args.from_raw:
+        all_results = load_raw(Path(args.from_raw), policies)
+        missing = [p for p in policies if p not in all_results]
+        if missing:
+            raise SystemExit(f"no raw results for {missing} in {args.from_raw}")
+    for rnd in range(0 if args.from_raw else args.rounds):  # rounds interleave the policies: slow drifts of a shared machine hit all
         for policy in policies:
             name, lead, slack, extra = _policy_spec(policy, args.first_lead_ms, args.slack_ms)
             with ServerProcess(args.engine, model_dir=args.model_dir, policy=name, overrides={**overrides, **extra},
@@ -249,13 +298,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"({by['priority']['playing_underrun_ms_after_burst']} ms) vs FCFS "
                          f"{by['fcfs']['playing_underruns_after_burst']} "
                          f"({by['fcfs']['playing_underrun_ms_after_burst']} ms).")
+        u99p = (by["priority"].get("burst_ttfa_unstalled_ms") or {}).get("p99")
+        u99f = (by["fcfs"].get("burst_ttfa_unstalled_ms") or {}).get("p99")
+        if u99p and u99f:
+            lines.append(f"Outside client stalls: TTFA p99 ratio FCFS / {prio} **{u99f / u99p:.2f}x**; playing "
+                         f"streams' underruns {by['priority']['playing_underruns_unstalled']} "
+                         f"({by['priority']['playing_underrun_ms_unstalled']} ms) vs FCFS "
+                         f"{by['fcfs']['playing_underruns_unstalled']} ({by['fcfs']['playing_underrun_ms_unstalled']} ms); "
+                         f"client stalls {(by['priority'].get('client_stalls') or {}).get('total_s')} s vs "
+                         f"{(by['fcfs'].get('client_stalls') or {}).get('total_s')} s.")
     text = "\n".join(lines)
     print(text)
     png = report.plot(runs, out / "scheduling.png", title=f"burst: {' vs '.join(policies)} ({args.engine})",
                       marker_s=base.burst_at_s)
     (out / "scheduling.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1, default=str))
     print(f"wrote {out / 'scheduling.json'} and {png}")
-    if args.results:
+    if args.results and not args.from_raw:
         heading = "## Scheduling (CPU, tiny checkpoint)" if args.engine == "vllm" else f"## Scheduling ({args.engine} engine)"
         cmd = "python -m bench.scheduling_bench " + " ".join(sys.argv[1:] if argv is None else argv)
         body = "\n".join([

@@ -32,6 +32,12 @@ from loadtest.playback import JitterBuffer
 REPORT_PERIOD_S = 0.25
 #: Most buffer-level samples kept per session (for the plot).
 MAX_LEVEL_SAMPLES = 4_000
+#: Client stall detector: the worker's event loop is probed every ``STALL_PROBE_S``; a probe
+#: that wakes more than ``CLIENT_STALL_MS`` late records a stall (the load generator itself
+#: was not running: its timestamps, and the playback it simulates, are not the server's doing).
+STALL_PROBE_S = 0.05
+CLIENT_STALL_MS = 200.0
+MAX_CLIENT_STALLS = 2_000
 #: Receive buffer of a slow-reader session's socket.
 SLOW_READER_RCVBUF_BYTES = 8_192
 #: Longest wait for an utterance to finish after its text ended.
@@ -493,15 +499,37 @@ async def _sleep_until(t: float) -> None:
         await asyncio.sleep(delay)
 
 
+async def watch_stalls(t0: float, out: list[tuple[float, float]], probe_s: float = STALL_PROBE_S,
+                       stall_ms: float = CLIENT_STALL_MS, limit: int = MAX_CLIENT_STALLS) -> None:
+    """Record (start, end) in seconds after ``t0`` whenever this event loop did not run for more
+    than ``stall_ms`` (a probe sleeping ``probe_s`` woke that late). Runs until cancelled."""
+    while True:
+        t = time.monotonic()
+        await asyncio.sleep(probe_s)
+        now = time.monotonic()
+        if (now - t - probe_s) * 1000.0 > stall_ms and len(out) < limit:
+            out.append((round(t + probe_s - t0, 4), round(now - t0, 4)))
+
+
 async def run_sessions(plans: list[SessionPlan], url: str, t0: float, hard_end: float) -> list[dict[str, Any]]:
-    """Run plans concurrently in this event loop; return their records as dicts."""
+    """Run plans concurrently in this event loop; return their records as dicts. Every record
+    carries ``client_stalls``: this worker's own stalls (``watch_stalls``), shared by its sessions."""
+    stalls: list[tuple[float, float]] = []
+    watcher = asyncio.create_task(watch_stalls(t0, stalls), name="client stall watch")
     sessions = [_Session(p, url, t0, hard_end) for p in plans]
-    results = await asyncio.gather(*(s.run() for s in sessions), return_exceptions=True)
+    try:
+        results = await asyncio.gather(*(s.run() for s in sessions), return_exceptions=True)
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
     out: list[dict[str, Any]] = []
     for s, r in zip(sessions, results, strict=True):
         if isinstance(r, BaseException):
             s.rec.errors.append(f"client crash: {type(r).__name__}: {r}"[:300])
-            out.append(s.rec.to_json())
+            rec = s.rec.to_json()
         else:
-            out.append(r.to_json())
+            rec = r.to_json()
+        rec["client_stalls"] = [list(x) for x in stalls]
+        out.append(rec)
     return out

@@ -21,6 +21,12 @@ Definitions (also in docs/loadtest.md):
 * ``cancel_to_silence_ms``: from ``cancel`` sent to the later of the last audio frame of that
   utterance received and the ``cancelled`` reply. ``cancel_to_ack_ms``: to the reply only.
 * engine breakdown: every numeric field of ``utterance.done`` summarised (p50/p95/mean).
+* ``client_stalls``: periods when the load generator's own event loop did not run (a worker
+  process starved or blocked; ``loadtest.client.watch_stalls``). What the client measured then
+  is not the server's doing: a TTFA whose wait overlaps one (``client_stalled`` rows) and an
+  underrun within ``STALL_MARGIN_S`` of one are reported again without them
+  (``ttfa_ms_unstalled``, ``*_unstalled``). Many client stalls mean the run is invalid as a
+  measurement of the server.
 """
 
 from __future__ import annotations
@@ -54,11 +60,48 @@ def _ms(a: float | None, b: float | None) -> float | None:
     return (a - b) * 1000.0
 
 
+#: An underrun starting or ending this close to a client stall is counted as caused by it.
+STALL_MARGIN_S = 0.3
+
+
+def _overlaps(a: float, b: float, spans: Iterable[Iterable[float]], margin_s: float = 0.0) -> bool:
+    return any(lo - margin_s < b and a < hi + margin_s for lo, hi in spans)
+
+
+def client_stall_summary(sessions: list[dict[str, Any]]) -> dict[str, Any]:
+    """The load generator's own stalls: count, total seconds, longest (ms). Sessions of one
+    worker share one list; each list is counted once."""
+    seen: dict[tuple[Any, ...], list[list[float]]] = {}
+    for s in sessions:
+        st = s.get("client_stalls") or []
+        seen[(s.get("t0"), tuple(tuple(x) for x in st))] = st
+    spans = [x for st in seen.values() for x in st]
+    lengths = [(b - a) for a, b in spans]
+    return {"count": len(spans), "total_s": round(sum(lengths), 2),
+            "max_ms": round(max(lengths) * 1000.0, 1) if lengths else 0.0}
+
+
+def stalled_underruns(sessions: list[dict[str, Any]], margin_s: float = STALL_MARGIN_S) -> set[tuple[int, int]]:
+    """(session_id, underrun index) of underruns within ``margin_s`` of a client stall."""
+    out: set[tuple[int, int]] = set()
+    for s in sessions:
+        stalls = s.get("client_stalls") or []
+        for i, (a, b) in enumerate(s["underruns"]):
+            if stalls and _overlaps(a, b if b is not None else a, stalls, margin_s):
+                out.add((s["session_id"], i))
+    return out
+
+
 def utterance_rows(sessions: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One flat row per utterance (role, session, derived latencies)."""
     rows = []
     for s in sessions:
+        stalls = s.get("client_stalls") or []
+        t0 = s.get("t0")
         for u in s["utterances"]:
+            stalled = False
+            if stalls and t0 is not None and u["t_first_text"] is not None and u["t_first_audio"] is not None:
+                stalled = _overlaps(u["t_first_text"] - t0, u["t_first_audio"] - t0, stalls)
             segs = sorted(u["segments"].values(), key=lambda g: g["index"]) if u["segments"] else []
             gaps = [g["gap_ms"] for g in segs[1:] if g.get("gap_ms") is not None]
             wire_gaps = []
@@ -80,6 +123,7 @@ def utterance_rows(sessions: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "chars": u["chars"],
                     "ttfa_ms": _ms(u["t_first_audio"], u["t_first_text"]),
                     "ttfa_segment_ms": _ms(u["t_first_audio"], u["t_first_segment_text"]),
+                    "client_stalled": stalled,
                     "t_first_text": u["t_first_text"],
                     "t_first_audio": u["t_first_audio"],
                     "total_ms": _ms(u["t_done"], u["t_first_text"]),
@@ -171,8 +215,10 @@ def _group_metrics(sessions: list[dict[str, Any]], rows: list[dict[str, Any]], w
     if since_s is not None:
         n, ms = _underruns_since(sessions, since_s)
         pn, pms = _underruns_since(sessions, since_s, shared or set())
+        un, ums = _underruns_since(sessions, since_s, stalled_underruns(sessions))
         extra = {"since_s": since_s, "underruns_since": n, "underrun_ms_since": ms,
-                 "private_underruns_since": pn, "private_underrun_ms_since": pms}
+                 "private_underruns_since": pn, "private_underrun_ms_since": pms,
+                 "underruns_since_unstalled": un, "underrun_ms_since_unstalled": ums}
     return extra | {
         "wall_s": round(wall_s, 3),
         "sessions": len(sessions),
@@ -184,6 +230,8 @@ def _group_metrics(sessions: list[dict[str, Any]], rows: list[dict[str, Any]], w
         "errors": dict(errors),
         "ttfa_ms": summarize(r["ttfa_ms"] for r in rows),
         "ttfa_segment_ms": summarize(r["ttfa_segment_ms"] for r in rows),
+        "ttfa_ms_unstalled": summarize(r["ttfa_ms"] for r in rows if not r["client_stalled"]),
+        "client_stalled_utterances": sum(1 for r in rows if r["client_stalled"]),
         "total_ms": summarize(r["total_ms"] for r in completed),
         "underruns": sum(len(s["underruns"]) for s in sessions),
         "underrun_ms": round(sum(s["underrun_ms"] for s in sessions), 1),
@@ -219,7 +267,8 @@ def compute(sessions: list[dict[str, Any]], wall_s: float, sample_rate_hz: int =
     normal_rows = [r for r in rows if r["role"] != "slow"]
     shared = shared_underruns(normal)
     out: dict[str, Any] = {"all": _group_metrics(normal, normal_rows, wall_s, sample_rate_hz, since_s, shared),
-                           "roles": {}, "shared_underruns": len(shared)}
+                           "roles": {}, "shared_underruns": len(shared),
+                           "client_stalls": client_stall_summary(sessions)}
     for role in sorted({s["role"] for s in sessions}):
         ss = [s for s in sessions if s["role"] == role]
         rr = [r for r in rows if r["role"] == role]

@@ -169,6 +169,49 @@ def test_shared_underruns_are_whole_server_stalls() -> None:
     assert m["roles"]["burst"]["private_underruns_since"] == 0
 
 
+def test_client_stalls_are_reported_and_left_out() -> None:
+    stalls = [[4.1, 4.9], [7.0, 7.5]]
+    sessions = [
+        _session(0, "background", 0.0, 0.2, [(4.5, 4.8), (6.0, 6.2)]),
+        _session(1, "burst", 4.0, 4.95, []),  # its wait spans the client's own stall
+        _session(2, "burst", 5.0, 5.3, []),
+    ]
+    for s in sessions:
+        s["client_stalls"] = stalls
+    m = compute(sessions, wall_s=10.0, since_s=4.0)
+    assert m["client_stalls"] == {"count": 2, "total_s": 1.3, "max_ms": 800.0}
+    burst = m["roles"]["burst"]
+    assert burst["ttfa_ms"]["n"] == 2 and burst["client_stalled_utterances"] == 1
+    assert burst["ttfa_ms_unstalled"]["n"] == 1 and burst["ttfa_ms_unstalled"]["p50"] == pytest.approx(300.0)
+    bg = m["roles"]["background"]
+    assert bg["underruns_since"] == 2 and bg["underruns_since_unstalled"] == 1
+    assert bg["underrun_ms_since_unstalled"] == pytest.approx(200.0)
+
+
+async def test_watch_stalls_sees_a_blocked_event_loop() -> None:
+    import asyncio
+    import time as _time
+
+    from loadtest.client import watch_stalls
+
+    out: list[tuple[float, float]] = []
+    t0 = _time.monotonic()
+    task = asyncio.create_task(watch_stalls(t0, out, probe_s=0.01, stall_ms=100.0))
+    await asyncio.sleep(0.05)
+    _time.sleep(0.3)  # noqa: ASYNC251  (the point: the loop cannot run)
+    await asyncio.sleep(0.05)
+    task.cancel()
+    assert len(out) == 1 and 0.25 < out[0][1] - out[0][0] < 0.6
+
+
+def test_scheduling_bench_infers_stalls_from_level_gaps() -> None:
+    from bench.scheduling_bench import stalls_from_levels
+
+    a = {"levels": [[0.25, 1.0], [0.5, 1.0], [1.5, 0.0], [1.75, 0.0]]}
+    b = {"levels": [[0.3, 1.0], [0.55, 1.0], [1.55, 0.0]]}
+    assert stalls_from_levels([a, b]) == [[0.55, 1.5]]
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
