@@ -73,8 +73,12 @@ class ServerProcess:
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         t = time.monotonic()
+        # its own process group (killpg on exit) but the caller's session: a new session would put
+        # the server in its own Linux autogroup, and on a 2-core machine with the GPT worker pinned
+        # to one core the load generator's group was then starved for seconds at a time (25-40%
+        # of a scheduling-bench run; bench/RESULTS.md, "client stalls")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log_file, text=True, env=env,
-                                     cwd=root, start_new_session=True)
+                                     cwd=root, process_group=0)
         try:
             self.url = self._wait_ready()
         except BaseException:
