@@ -96,7 +96,10 @@ class EngineScheduler:
         self._first_waiting: set[str] = set()
         self._timer: asyncio.TimerHandle | None = None
         self.refused = 0
-        self.preempt_enabled = bool(sc.preempt) and bool(getattr(engine, "supports_preempt", False))
+        # preemption hands the freed slot to a first segment through vLLM's priority queue: it
+        # means nothing under FCFS (and an FCFS baseline must not preempt)
+        self.preempt_enabled = (bool(sc.preempt) and self.priority_scheduling
+                                and bool(getattr(engine, "supports_preempt", False)))
         if self.preempt_enabled:
             self.preempt_enabled = bool(engine.enable_preemption(True))  # type: ignore[attr-defined]
         self.preempt_min_buffer_ms = float(sc.preempt_min_buffer_ms)
@@ -109,8 +112,8 @@ class EngineScheduler:
         self._preempting: set[str] = set()
         """Segments whose preemption task has not finished yet."""
         self.preempted = 0
-        if sc.preempt and not self.preempt_enabled:
-            log.warning("scheduler.preempt is set but engine %s cannot preempt; ignored", getattr(engine, "name", "?"))
+        if sc.preempt and self.priority_scheduling and not self.preempt_enabled:
+            log.info("engine %s cannot preempt: scheduler.preempt has no effect", getattr(engine, "name", "?"))
 
     @classmethod
     def for_server(cls, server: Any) -> EngineScheduler:

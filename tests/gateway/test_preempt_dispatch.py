@@ -125,3 +125,11 @@ async def test_no_preemption_while_continuing_segments_queue_in_the_engine() -> 
     eng.running -= 1
     _run(s, eng, "d-1-0", "d", True, 0.0)
     assert s.preempt_for_first() == ["a-1-1", "b-1-1"]
+
+
+def test_fcfs_never_preempts() -> None:
+    on = replace(SchedulerConfig(), preempt=True)
+    cfg = Config(engine=EngineConfig(max_num_seqs=2, scheduling_policy="fcfs"), scheduler=on)
+    assert not EngineScheduler(cfg, StubEngine()).preempt_enabled
+    cfg = Config(engine=EngineConfig(max_num_seqs=2, scheduling_policy="priority"), scheduler=on)
+    assert EngineScheduler(cfg, StubEngine()).preempt_enabled
