@@ -183,9 +183,11 @@ class SchedulerConfig:
     requests, one running continuing segment whose client has at least ``preempt_min_buffer_ms``
     buffered is aborted and at once resubmitted as a resumed request (its codes so far as the
     prompt prefix, its deadline priority), so the first segment takes its batch slot instead of
-    waiting for slot turnover. The preempted stream's audio continues seamlessly. Off by default
-    until it is shown to pay (bench/RESULTS.md, Scheduling, runs K-N on a 2-core CPU: playing
-    streams lost less audio than under FCFS in every run, burst TTFA p99 5.3x / 1.2x / 0.41x)."""
+    waiting for slot turnover. The preempted stream's audio continues seamlessly. Never under
+    FCFS, nor while continuing segments already wait for a slot. Off by default: on a 2-core CPU
+    (bench/RESULTS.md, Scheduling) it cut the burst's TTFA p99 5.5x against FCFS when the slots
+    were full (run U; playing streams 1 underrun of 64 ms vs 0) but once cost a playing stream 2 s
+    of audio with 4 slots (run V)."""
     preempt_min_buffer_ms: float = 1_000.0
     """Preemption: only segments whose client has at least this much audio ahead of its playhead
     (at most ``limits.flow_window_ms`` is ever ahead)."""
