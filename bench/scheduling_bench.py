@@ -94,10 +94,10 @@ def load_raw(directory: Path, policies: list[str] | None = None) -> dict[str, li
         if m is None or (policies and m.group(1) not in policies):
             continue
         r = json.loads(path.read_text())
-        by_worker = r["sessions"]
-        if by_worker and all("client_stalls" not in x for x in by_worker):
-            stalls = stalls_from_levels(by_worker)
-            for x in by_worker:
+        sessions = r["sessions"]
+        if sessions and all("client_stalls" not in x for x in sessions):
+            stalls = stalls_from_levels(sessions)  # the run's workers together (one in these runs)
+            for x in sessions:
                 x["client_stalls"] = stalls
         found.setdefault(m.group(1), []).append((int(m.group(2)), r))
     return {k: [r for _, r in sorted(v, key=lambda t: t[0])] for k, v in found.items()}
