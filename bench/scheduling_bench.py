@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default="priority,fcfs",
                    help="comma list of priority|buffer|fcfs; priority:lead=MS:slack=MS sets deadline-mode knobs, "
                         "priority:dispatch=1[:reserve=F][:dlead=MS] adds gateway-side deadline dispatch, "
-                        "priority:preempt=1[:pbuf=MS][:pmax=N] preemption of running segments for new utterances")
+                        "priority:preempt=1[:pbuf=MS][:pmax=N][:rescue=MS] preemption of running segments for new "
+                        "utterances (and for waiting streams about to run dry; rescue=0: not)")
     p.add_argument("--first-lead-ms", type=float, default=None, help="deadline policy: first segment lead")
     p.add_argument("--slack-ms", type=float, default=None, help="deadline policy: continuing-segment slack")
     p.add_argument("--max-num-seqs", type=int, default=4, help="engine batch limit (small: bursts must queue)")
@@ -115,6 +116,7 @@ _POLICY_OPTIONS: dict[str, tuple[str, Callable[[str], str]]] = {
     "preempt": ("scheduler.preempt", _flag),
     "pbuf": ("scheduler.preempt_min_buffer_ms", lambda v: str(float(v))),
     "pmax": ("scheduler.preempt_max_per_segment", lambda v: str(int(v))),
+    "rescue": ("scheduler.preempt_rescue_ms", lambda v: str(float(v))),
 }
 
 
@@ -127,7 +129,8 @@ def _policy_spec(spec: str, lead: float | None, slack: float | None
     reserved for new utterances); ``reserve``: ``scheduler.reserved_slots_fraction``; ``dlead``:
     ``scheduler.dispatch_lead_ms``. ``preempt=1``: ``scheduler.preempt`` (running continuing
     segments with client audio to spare are paused and resumed for new utterances); ``pbuf``:
-    ``scheduler.preempt_min_buffer_ms``; ``pmax``: ``scheduler.preempt_max_per_segment``.
+    ``scheduler.preempt_min_buffer_ms``; ``pmax``: ``scheduler.preempt_max_per_segment``;
+    ``rescue``: ``scheduler.preempt_rescue_ms`` (0: no rescues of waiting streams).
     Returns (policy, lead, slack, server overrides)."""
     name, *opts = spec.split(":")
     extra: dict[str, str] = {}
@@ -142,7 +145,7 @@ def _policy_spec(spec: str, lead: float | None, slack: float | None
             extra[key] = conv(v)
         else:
             raise SystemExit(f"unknown policy option {opt!r} in {spec!r} (lead=MS, slack=MS, dispatch=1, "
-                             "reserve=F, dlead=MS, preempt=1, pbuf=MS, pmax=N)")
+                             "reserve=F, dlead=MS, preempt=1, pbuf=MS, pmax=N, rescue=MS)")
     if name != "priority":
         lead = slack = None
         extra = {}

@@ -670,3 +670,71 @@ def choose_preemptions(
         groups.add(r.group)
         out.append(r.key)
     return out
+
+
+@dataclass(frozen=True)
+class WaitingSegment:
+    """A continuing segment the engine holds without generating it (no batch slot), as the
+    gateway sees it: submitted and no frame yet, or resumed after a preemption and no new frame."""
+
+    key: str
+    client_buffered_ms: float
+    """Audio its client has ahead of the playhead now (ms): its runway."""
+    group: str = ""
+    """Its session."""
+
+
+def choose_rescues(
+    waiting: list[WaitingSegment] | tuple[WaitingSegment, ...],
+    running: list[RunningSegment] | tuple[RunningSegment, ...],
+    *,
+    urgent_ms: float,
+    min_buffer_ms: float = 1_000.0,
+    max_preemptions: int = 2,
+    preemptible: Callable[[str], bool] = lambda key: True,
+) -> list[tuple[str, str]]:
+    """Swaps that keep streams already playing from running dry: pairs (waiting key, running key
+    to preempt) so that a continuing segment waiting for a batch slot whose client is about to
+    run out of audio takes the slot of a running continuing segment whose client has plenty.
+
+    Why: vLLM runs a request to completion once it has a slot, and a ChatTTS segment holds its
+    slot for seconds; a stream whose segment waits behind them underruns even while other
+    clients sit on seconds of audio. That is what a preemption for a new utterance
+    (``choose_preemptions``) does to its victim when the slots stay full: the victim resumes
+    only at slot turnover (bench/RESULTS.md runs U-W). Earliest deadline first across running
+    and waiting streams, at the cost of one re-prefill per swap.
+
+    Rules: a waiting segment is urgent when its client has less than ``urgent_ms`` buffered and no
+    other segment of its session is running (that one's audio is still coming); most urgent first.
+    Victims: running continuing segments (``first`` False, ``preemptible(key)``) of another
+    session with at least ``min_buffer_ms`` buffered -- more than the urgent one -- and fewer
+    than ``max_preemptions`` preemptions; deepest buffer first; one per session per call. A
+    victim resumes at its own deadline priority and is rescued in turn when its runway falls
+    under ``urgent_ms``: ``min_buffer_ms`` > ``urgent_ms`` leaves a gap that keeps two streams
+    from trading the slot back and forth, and ``max_preemptions`` bounds it. ``urgent_ms`` <= 0:
+    no rescues.
+    """
+    if urgent_ms <= 0 or not waiting:
+        return []
+    speaking = {r.group for r in running if r.group}
+    urgent = sorted((w for w in waiting if w.client_buffered_ms < urgent_ms and not (w.group and w.group in speaking)),
+                    key=lambda w: (w.client_buffered_ms, w.key))
+    victims = sorted(
+        (r for r in running
+         if not r.first and r.client_buffered_ms >= min_buffer_ms and r.preemptions < max_preemptions
+         and preemptible(r.key)),
+        key=lambda r: (-r.client_buffered_ms, r.preemptions, r.key))
+    out: list[tuple[str, str]] = []
+    used_keys: set[str] = set()
+    used_groups: set[str] = set()
+    for w in urgent:
+        for r in victims:
+            if r.key in used_keys or (r.group and (r.group in used_groups or r.group == w.group)):
+                continue
+            if r.client_buffered_ms <= w.client_buffered_ms:
+                break  # deepest first: nobody further down has more
+            used_keys.add(r.key)
+            used_groups.add(r.group)
+            out.append((w.key, r.key))
+            break
+    return out

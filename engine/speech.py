@@ -234,6 +234,12 @@ class ChatTTSSpeech:
         codes = self._codes.get(request_id)
         return codes is not None and codes.submitted
 
+    def awaiting_slot(self, request_id: str) -> bool:
+        """The segment's code request is in the code engine but has produced nothing yet (a
+        resumed one: nothing new since it was resubmitted): it waits for a batch slot."""
+        codes = self._codes.get(request_id)
+        return codes is not None and codes.awaiting_frames()
+
     def can_preempt(self, request_id: str) -> bool:
         """``request_id`` is running and generating now (a resumed one: once it produced again)."""
         codes = self._codes.get(request_id)
@@ -430,6 +436,13 @@ class ResumableCodes:
             return False
         # a resumed request needs at least one step left
         return self.frames_received + 1 < int(self.request.params.max_new_tokens)
+
+    def awaiting_frames(self) -> bool:
+        """Submitted and no frame yet, or resumed and no new frame yet (not finished, not closing,
+        not between a preemption's abort and its resubmission)."""
+        if self._closed or self._finished or self._pending_priority is not None:
+            return False
+        return self._resumed_waiting or (self.submitted and self.frames_received == 0)
 
     async def preempt(self, priority: int) -> bool:
         """Abort the running code request and resume it at ``priority``. False when the segment

@@ -37,13 +37,24 @@ from engine.scheduler import (
     EngineLoad,
     RunningSegment,
     SegmentDispatcher,
+    WaitingSegment,
     choose_preemptions,
+    choose_rescues,
 )
 from voicegw.config import Config
 
 log = logging.getLogger("voicegw.gateway")
 
 _REGISTRY: weakref.WeakKeyDictionary[Any, EngineScheduler] = weakref.WeakKeyDictionary()
+
+RESCUE_PERIOD_S = 0.1
+"""Rescues: how often waiting segments are checked (while the engine generates tracked segments)."""
+RESCUE_MIN_WAIT_S = 0.15
+"""Rescues: a segment counts as waiting for a slot once it produced nothing for this long (not a
+prefill in progress)."""
+RESCUE_RETRY_S = 0.5
+"""Rescues: the same waiting segment causes another preemption at most this often (the freed
+slot may have gone to a segment with an earlier deadline)."""
 
 
 def reserved_slots(max_num_seqs: int, fraction: float) -> int:
@@ -112,6 +123,14 @@ class EngineScheduler:
         self._preempting: set[str] = set()
         """Segments whose preemption task has not finished yet."""
         self.preempted = 0
+        self.rescue_ms = float(sc.preempt_rescue_ms) if self.preempt_enabled else 0.0
+        self._waiting_since: dict[str, float] = {}
+        self._rescued_at: dict[str, float] = {}
+        self._rescue_timer: asyncio.TimerHandle | None = None
+        self.rescues = 0
+        """Preemptions made by ``rescue_urgent`` (also counted in ``preempted`` once done)."""
+        self.on_preempt: Callable[[int], None] | None = None
+        """Called with the number of preemptions each time some are started (metrics)."""
         if sc.preempt and self.priority_scheduling and not self.preempt_enabled:
             log.info("engine %s cannot preempt: scheduler.preempt has no effect", getattr(engine, "name", "?"))
 
@@ -121,6 +140,9 @@ class EngineScheduler:
         sched = _REGISTRY.get(server)
         if sched is None:
             sched = cls(server.config, server.engine)
+            metrics = getattr(server, "metrics", None)
+            if metrics is not None:
+                sched.on_preempt = metrics.preemptions.inc
             _REGISTRY[server] = sched
         return sched
 
@@ -195,6 +217,8 @@ class EngineScheduler:
         self._tracked.pop(key, None)
         self._has_output.discard(key)
         self._covered.discard(key)
+        self._waiting_since.pop(key, None)
+        self._rescued_at.pop(key, None)
         if self.dispatcher is not None:
             self.dispatcher.release(key)
             self._pump()
@@ -206,6 +230,8 @@ class EngineScheduler:
         """The segment ``key`` went to the engine (``release`` forgets it)."""
         if self.preempt_enabled:
             self._tracked[key] = _Tracked(group, first, buffered_ms, resume_priority)
+            if self.rescue_ms > 0 and self._rescue_timer is None:
+                self._rescue_timer = asyncio.get_running_loop().call_later(RESCUE_PERIOD_S, self._on_rescue_timer)
 
     def preempt_for_first(self) -> list[str]:
         """Preempt running continuing segments for first segments waiting while the engine is
@@ -243,13 +269,65 @@ class EngineScheduler:
                                   queued_continuing=queued_continuing)
         for first_key, key in zip(uncovered, keys, strict=False):
             self._covered.add(first_key)
-            t = self._tracked[key]
-            prio = int(t.resume_priority(float(t.buffered_ms())))
-            self._preempting.add(key)
-            task = asyncio.create_task(self._preempt(key, prio), name=f"preempt {key}")
-            self._preempt_tasks.add(task)
-            task.add_done_callback(self._preempt_tasks.discard)
+            self._start_preempt(key)
         return keys
+
+    def rescue_urgent(self) -> list[tuple[str, str]]:
+        """Preempt running continuing segments with audio to spare for continuing segments that
+        wait for a slot while their client is about to run dry (``choose_rescues``; every
+        ``RESCUE_PERIOD_S`` while segments are tracked). Returns (waiting, preempted) pairs."""
+        awaiting = getattr(self.engine, "awaiting_slot", None)
+        if self.rescue_ms <= 0 or not callable(awaiting):
+            return []
+        now = asyncio.get_running_loop().time()
+        preemptions = getattr(self.engine, "preemptions", None)
+        can_preempt = getattr(self.engine, "can_preempt", None)
+        waiting: list[WaitingSegment] = []
+        running: list[RunningSegment] = []
+        for key, t in self._tracked.items():
+            if key in self._preempting:
+                continue
+            if awaiting(key):
+                since = self._waiting_since.setdefault(key, now)
+                if (not t.first and now - since >= RESCUE_MIN_WAIT_S
+                        and now - self._rescued_at.get(key, -math.inf) >= RESCUE_RETRY_S):
+                    waiting.append(WaitingSegment(key, float(t.buffered_ms()), t.group))
+                continue
+            self._waiting_since.pop(key, None)
+            if key not in self._has_output:
+                continue  # not started yet (no output, not in the engine)
+            n = preemptions(key) if callable(preemptions) else 0
+            if n is None:
+                continue  # no longer in the engine
+            running.append(RunningSegment(key, float(t.buffered_ms()), t.first, int(n), t.group))
+        pairs = choose_rescues(waiting, running, urgent_ms=self.rescue_ms,
+                               min_buffer_ms=self.preempt_min_buffer_ms,
+                               max_preemptions=self.preempt_max_per_segment,
+                               preemptible=lambda k: not callable(can_preempt) or bool(can_preempt(k)))
+        for waiting_key, key in pairs:
+            self._rescued_at[waiting_key] = now
+            self._start_preempt(key)
+        self.rescues += len(pairs)
+        return pairs
+
+    def _on_rescue_timer(self) -> None:
+        self._rescue_timer = None
+        try:
+            self.rescue_urgent()
+        except Exception:
+            log.exception("rescue check failed")
+        if self._tracked:
+            self._rescue_timer = asyncio.get_running_loop().call_later(RESCUE_PERIOD_S, self._on_rescue_timer)
+
+    def _start_preempt(self, key: str) -> None:
+        t = self._tracked[key]
+        prio = int(t.resume_priority(float(t.buffered_ms())))
+        self._preempting.add(key)
+        task = asyncio.create_task(self._preempt(key, prio), name=f"preempt {key}")
+        self._preempt_tasks.add(task)
+        task.add_done_callback(self._preempt_tasks.discard)
+        if self.on_preempt is not None:
+            self.on_preempt(1)
 
     async def _preempt(self, key: str, priority: int) -> None:
         try:

@@ -60,7 +60,7 @@ class GatewayMetrics:
         self.preemptions = Counter(
             "voicegw_preemptions_total",
             "Continuing segments preempted (paused in the engine, resumed later) to start first "
-            "segments sooner (scheduler.preempt)", registry=r,
+            "segments sooner or to resume a stream about to run dry (scheduler.preempt)", registry=r,
         )
         self.engine_running = Gauge(
             "voicegw_engine_running_requests", "Engine requests running (engine health)", registry=r

@@ -658,9 +658,7 @@ class _Connection:
                             break
                         await asyncio.sleep(_PREEMPT_AFTER_SUBMIT_S / _PREEMPT_SUBMIT_POLLS)
                     await asyncio.sleep(_PREEMPT_AFTER_SUBMIT_S)
-                    preempted = sched.preempt_for_first()
-                    if preempted:
-                        self.metrics.preemptions.inc(len(preempted))
+                    sched.preempt_for_first()
             t_prev: float | None = None
             while True:
                 paused = not gate.is_set()

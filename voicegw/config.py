@@ -193,6 +193,13 @@ class SchedulerConfig:
     (at most ``limits.flow_window_ms`` is ever ahead)."""
     preempt_max_per_segment: int = 2
     """Preemption: a segment is preempted at most this many times."""
+    preempt_rescue_ms: float = 700.0
+    """Preemption (with ``preempt``): a continuing segment that waits in the engine for a batch
+    slot while its client has less than this buffered (and no other segment of its session is
+    generating) takes the slot of a running continuing segment whose client has at least
+    ``preempt_min_buffer_ms`` (``engine.scheduler.choose_rescues``): a stream preempted for a new
+    utterance, or queued behind full slots, resumes before it runs dry. Checked every 100 ms.
+    0 = off."""
 
 
 @dataclass(frozen=True)

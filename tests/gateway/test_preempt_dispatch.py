@@ -133,3 +133,76 @@ def test_fcfs_never_preempts() -> None:
     assert not EngineScheduler(cfg, StubEngine()).preempt_enabled
     cfg = Config(engine=EngineConfig(max_num_seqs=2, scheduling_policy="priority"), scheduler=on)
     assert EngineScheduler(cfg, StubEngine()).preempt_enabled
+
+
+class RescueEngine(StubEngine):
+    """A stub that also says which segments wait for a slot (``awaiting_slot``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.no_slot: set[str] = set()
+
+    def awaiting_slot(self, key: str) -> bool:
+        return key in self.no_slot or key in self.waiting
+
+
+async def test_rescue_swaps_a_stream_about_to_run_dry_for_a_deep_one() -> None:
+    eng = RescueEngine()
+    s = _sched(eng)
+    assert s.rescue_ms == 700.0
+    bufs = {"a": 1_800.0, "b": 1_200.0, "c": 300.0}
+
+    def run(key: str, group: str) -> None:
+        s.submit(key, group, False, bufs[group], [])
+        s.track(key, group, False, lambda: bufs[group], lambda ms: 100 + int(ms // 1000))
+        eng.counts.setdefault(key, 0)
+
+    run("a-1-1", "a")
+    run("b-1-1", "b")
+    run("c-1-2", "c")
+    for key in ("a-1-1", "b-1-1"):
+        s.first_output(key)
+    eng.no_slot.add("c-1-2")  # waits behind a and b; its client has 300 ms left
+    assert s.rescue_urgent() == [], "waiting, but not long enough to tell it from a prefill"
+    await asyncio.sleep(0.17)
+    assert s.rescue_urgent() == [("c-1-2", "a-1-1")]
+    await asyncio.sleep(0)
+    assert eng.calls == [("a-1-1", 101)] and s.rescues == 1
+    assert s.rescue_urgent() == [], "the same waiting segment: not again at once"
+    # the freed slot went elsewhere: retried after RESCUE_RETRY_S, with the next deepest victim
+    eng.waiting.discard("a-1-1")
+    await asyncio.sleep(0.5)
+    got = s.rescue_urgent()
+    assert got == [("c-1-2", "a-1-1")] or got == [("c-1-2", "b-1-1")]
+    # it got a slot: nothing more to do; the timer stops once nothing is tracked
+    eng.no_slot.clear()
+    eng.waiting.clear()
+    s.first_output("c-1-2")
+    assert s.rescue_urgent() == []
+    for key in ("a-1-1", "b-1-1", "c-1-2"):
+        s.release(key)
+    await asyncio.sleep(0.15)
+    assert s._rescue_timer is None
+
+
+async def test_rescue_timer_runs_and_can_be_off() -> None:
+    eng = RescueEngine()
+    s = _sched(eng)
+    s.submit("a-1-1", "a", False, 2_000.0, [])
+    s.track("a-1-1", "a", False, lambda: 2_000.0, lambda ms: 100)
+    s.first_output("a-1-1")
+    eng.counts["a-1-1"] = 0
+    s.submit("c-1-1", "c", False, 100.0, [])
+    s.track("c-1-1", "c", False, lambda: 100.0, lambda ms: 100)
+    eng.no_slot.add("c-1-1")
+    eng.counts["c-1-1"] = 0
+    for _ in range(20):
+        await asyncio.sleep(0.05)
+        if s.rescues:
+            break
+    assert s.rescues == 1 and eng.calls == [("a-1-1", 100)]
+    s.release("a-1-1")
+    s.release("c-1-1")
+    cfg = Config(engine=EngineConfig(max_num_seqs=2, scheduling_policy="priority"),
+                 scheduler=replace(SchedulerConfig(), preempt=True, preempt_rescue_ms=0.0))
+    assert EngineScheduler(cfg, RescueEngine()).rescue_ms == 0.0
