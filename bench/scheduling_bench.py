@@ -41,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="voicegw bench scheduling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", choices=("vllm", "sim", "fake"), default="vllm")
-    p.add_argument("--model-dir", default="", help="checkpoint (default: tiny random, generated once)")
+    p.add_argument("--model-dir", default="", help="checkpoint (default: random, of --model-size, generated here)")
+    p.add_argument("--model-size", choices=("tiny", "small"), default="tiny",
+                   help="random checkpoint when no --model-dir: tiny (fast: bursts rarely meet full slots on a "
+                        "fast CPU) or small (near real time at a few streams: the contended regime)")
     p.add_argument("--policies", default="priority,fcfs",
                    help="comma list of priority|buffer|fcfs; priority:lead=MS:slack=MS sets deadline-mode knobs, "
                         "priority:dispatch=1[:reserve=F][:dlead=MS] adds gateway-side deadline dispatch, "
@@ -241,10 +244,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from loadtest import report
     from loadtest.plan import ScenarioParams
     from loadtest.runner import run_scenario
-    from loadtest.serve import ServerProcess
+    from loadtest.serve import ServerProcess, generated_model_dir
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.engine == "vllm" and not args.model_dir and not args.from_raw:
+        args.model_dir = generated_model_dir(args.model_size)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     base = ScenarioParams(
         scenario="burst", sessions=args.sessions, background=args.background, bursts=args.bursts,

@@ -682,6 +682,8 @@ class WaitingSegment:
     """Audio its client has ahead of the playhead now (ms): its runway."""
     group: str = ""
     """Its session."""
+    preemptions: int = 0
+    """How often it was preempted (only preempted segments are rescued)."""
 
 
 def choose_rescues(
@@ -704,8 +706,11 @@ def choose_rescues(
     only at slot turnover (bench/RESULTS.md runs U-W). Earliest deadline first across running
     and waiting streams, at the cost of one re-prefill per swap.
 
-    Rules: a waiting segment is urgent when its client has less than ``urgent_ms`` buffered and no
-    other segment of its session is running (that one's audio is still coming); most urgent first.
+    Rules: only a segment that was preempted is rescued (the scheduler paused it, so it owes it the
+    slot back); a continuing segment that queues because the engine is oversubscribed is not (there
+    swaps only spread the shortfall over more streams and cost a re-prefill each). It is urgent when
+    its client has less than ``urgent_ms`` buffered and no other segment of its session is running
+    (that one's audio is still coming); most urgent first.
     Victims: running continuing segments (``first`` False, ``preemptible(key)``) of another
     session with at least ``min_buffer_ms`` buffered -- more than the urgent one -- and fewer
     than ``max_preemptions`` preemptions; deepest buffer first; one per session per call. A
@@ -717,7 +722,9 @@ def choose_rescues(
     if urgent_ms <= 0 or not waiting:
         return []
     speaking = {r.group for r in running if r.group}
-    urgent = sorted((w for w in waiting if w.client_buffered_ms < urgent_ms and not (w.group and w.group in speaking)),
+    urgent = sorted((w for w in waiting
+                     if w.preemptions > 0 and w.client_buffered_ms < urgent_ms
+                     and not (w.group and w.group in speaking)),
                     key=lambda w: (w.client_buffered_ms, w.key))
     victims = sorted(
         (r for r in running

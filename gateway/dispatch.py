@@ -11,10 +11,12 @@ is the thin asyncio shell around the pure policies of ``engine.scheduler``:
   engine (``scheduler.dispatch`` with ``engine.scheduling_policy = "priority"``); held segments
   wait on an ``asyncio.Event``; a timer wakes the dispatcher when a held segment's client runway
   reaches ``scheduler.dispatch_lead_ms``.
-* ``track``/``preempt_for_first``: the server-wide registry of segments the engine is generating
-  (every connection's), and preemption (``scheduler.preempt``): when first segments wait while
-  the engine is full, ``engine.scheduler.choose_preemptions`` names continuing segments whose
-  client has audio to spare, and ``SpeechEngine.preempt`` (``ChatTTSSpeech``) pauses and resumes
+* ``track``/``check_preemptions``: the server-wide registry of segments the engine is
+  generating (every connection's) and, every ``CHECK_PERIOD_S`` (``scheduler.preempt``), two
+  kinds of preemption: a first segment that waited ``scheduler.preempt_first_wait_ms`` for a slot
+  makes room (``engine.scheduler.choose_preemptions`` names a continuing segment whose client has
+  audio to spare), and a preempted segment whose client is about to run dry takes the slot of one
+  with more (``choose_rescues``); ``SpeechEngine.preempt`` (``ChatTTSSpeech``) pauses and resumes
   them at their deadline priority.
 
 No policy lives here: numbers in, decisions out.
@@ -47,8 +49,8 @@ log = logging.getLogger("voicegw.gateway")
 
 _REGISTRY: weakref.WeakKeyDictionary[Any, EngineScheduler] = weakref.WeakKeyDictionary()
 
-RESCUE_PERIOD_S = 0.1
-"""Rescues: how often waiting segments are checked (while the engine generates tracked segments)."""
+CHECK_PERIOD_S = 0.05
+"""Preemption: how often waiting segments are checked (while the engine has tracked segments)."""
 RESCUE_MIN_WAIT_S = 0.15
 """Rescues: a segment counts as waiting for a slot once it produced nothing for this long (not a
 prefill in progress)."""
@@ -126,7 +128,8 @@ class EngineScheduler:
         self.rescue_ms = float(sc.preempt_rescue_ms) if self.preempt_enabled else 0.0
         self._waiting_since: dict[str, float] = {}
         self._rescued_at: dict[str, float] = {}
-        self._rescue_timer: asyncio.TimerHandle | None = None
+        self._check_timer: asyncio.TimerHandle | None = None
+        self.first_wait_s = max(0.0, float(sc.preempt_first_wait_ms)) / 1000.0
         self.rescues = 0
         """Preemptions made by ``rescue_urgent`` (also counted in ``preempted`` once done)."""
         self.on_preempt: Callable[[int], None] | None = None
@@ -227,18 +230,45 @@ class EngineScheduler:
 
     def track(self, key: str, group: str, first: bool, buffered_ms: Callable[[], float],
               resume_priority: Callable[[float], int]) -> None:
-        """The segment ``key`` went to the engine (``release`` forgets it)."""
+        """The segment ``key`` went to the engine (``release`` forgets it). While segments are
+        tracked, ``check_preemptions`` runs every ``CHECK_PERIOD_S``."""
         if self.preempt_enabled:
             self._tracked[key] = _Tracked(group, first, buffered_ms, resume_priority)
-            if self.rescue_ms > 0 and self._rescue_timer is None:
-                self._rescue_timer = asyncio.get_running_loop().call_later(RESCUE_PERIOD_S, self._on_rescue_timer)
+            if self._check_timer is None:
+                self._check_timer = asyncio.get_running_loop().call_later(CHECK_PERIOD_S, self._on_check_timer)
 
-    def preempt_for_first(self) -> list[str]:
+    def check_preemptions(self) -> None:
+        """The periodic check: first segments that waited ``scheduler.preempt_first_wait_ms`` for a
+        batch slot (``preempt_for_first``), then preempted segments about to run dry
+        (``rescue_urgent``)."""
+        now = asyncio.get_running_loop().time()
+        self._note_waiting(now)
+        self.preempt_for_first(min_wait_s=self.first_wait_s, now_s=now)
+        self.rescue_urgent()
+
+    def _note_waiting(self, now: float) -> None:
+        """Since when each tracked segment waits for a batch slot (the engine's ``awaiting_slot``)."""
+        awaiting = getattr(self.engine, "awaiting_slot", None)
+        if not callable(awaiting):
+            return
+        for key in self._tracked:
+            if key not in self._preempting and awaiting(key):
+                self._waiting_since.setdefault(key, now)
+            else:
+                self._waiting_since.pop(key, None)
+
+    def preempt_for_first(self, min_wait_s: float = 0.0, now_s: float | None = None) -> list[str]:
         """Preempt running continuing segments for first segments waiting while the engine is
-        full (call once a first segment was submitted to the engine). Returns the keys."""
+        full. ``min_wait_s`` > 0: only for first segments that have waited that long for a slot
+        (``_note_waiting``: a slot that turns over soon costs no preemption). Returns the keys."""
         if not self.preempt_enabled:
             return []
-        uncovered = [k for k in self._first_waiting if k not in self._covered]
+        if min_wait_s > 0:
+            now = asyncio.get_running_loop().time() if now_s is None else now_s
+            uncovered = [k for k in self._first_waiting if k not in self._covered
+                         and now - self._waiting_since.get(k, now) >= min_wait_s]
+        else:
+            uncovered = [k for k in self._first_waiting if k not in self._covered]
         if not uncovered:
             return []
         submitted = getattr(self.engine, "submitted", None)
@@ -273,13 +303,14 @@ class EngineScheduler:
         return keys
 
     def rescue_urgent(self) -> list[tuple[str, str]]:
-        """Preempt running continuing segments with audio to spare for continuing segments that
-        wait for a slot while their client is about to run dry (``choose_rescues``; every
-        ``RESCUE_PERIOD_S`` while segments are tracked). Returns (waiting, preempted) pairs."""
+        """Preempt running continuing segments with audio to spare for preempted segments that
+        wait for a slot while their client is about to run dry (``choose_rescues``; part of
+        ``check_preemptions``). Returns (waiting, preempted) pairs."""
         awaiting = getattr(self.engine, "awaiting_slot", None)
         if self.rescue_ms <= 0 or not callable(awaiting):
             return []
         now = asyncio.get_running_loop().time()
+        self._note_waiting(now)
         preemptions = getattr(self.engine, "preemptions", None)
         can_preempt = getattr(self.engine, "can_preempt", None)
         waiting: list[WaitingSegment] = []
@@ -287,18 +318,15 @@ class EngineScheduler:
         for key, t in self._tracked.items():
             if key in self._preempting:
                 continue
-            if awaiting(key):
-                since = self._waiting_since.setdefault(key, now)
+            n = preemptions(key) if callable(preemptions) else 0
+            since = self._waiting_since.get(key)
+            if since is not None:
                 if (not t.first and now - since >= RESCUE_MIN_WAIT_S
                         and now - self._rescued_at.get(key, -math.inf) >= RESCUE_RETRY_S):
-                    waiting.append(WaitingSegment(key, float(t.buffered_ms()), t.group))
+                    waiting.append(WaitingSegment(key, float(t.buffered_ms()), t.group, int(n or 0)))
                 continue
-            self._waiting_since.pop(key, None)
-            if key not in self._has_output:
-                continue  # not started yet (no output, not in the engine)
-            n = preemptions(key) if callable(preemptions) else 0
-            if n is None:
-                continue  # no longer in the engine
+            if key not in self._has_output or n is None:
+                continue  # not started yet, or no longer in the engine
             running.append(RunningSegment(key, float(t.buffered_ms()), t.first, int(n), t.group))
         pairs = choose_rescues(waiting, running, urgent_ms=self.rescue_ms,
                                min_buffer_ms=self.preempt_min_buffer_ms,
@@ -310,14 +338,14 @@ class EngineScheduler:
         self.rescues += len(pairs)
         return pairs
 
-    def _on_rescue_timer(self) -> None:
-        self._rescue_timer = None
+    def _on_check_timer(self) -> None:
+        self._check_timer = None
         try:
-            self.rescue_urgent()
+            self.check_preemptions()
         except Exception:
-            log.exception("rescue check failed")
+            log.exception("preemption check failed")
         if self._tracked:
-            self._rescue_timer = asyncio.get_running_loop().call_later(RESCUE_PERIOD_S, self._on_rescue_timer)
+            self._check_timer = asyncio.get_running_loop().call_later(CHECK_PERIOD_S, self._on_check_timer)
 
     def _start_preempt(self, key: str) -> None:
         t = self._tracked[key]

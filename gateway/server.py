@@ -78,11 +78,6 @@ _CONTENT_TYPES = {
 _MAX_STATIC_BYTES = 8 * 1024 * 1024
 _CLOSE_WAIT_S = 1.0
 """How long a close handshake may take before the transport is aborted."""
-_PREEMPT_AFTER_SUBMIT_S = 0.02
-"""Preemption: pause between submitting a first segment and preempting for it, so that the first
-segment reaches the engine's queue before the preempted segment is resubmitted."""
-_PREEMPT_SUBMIT_POLLS = 10
-"""Preemption: polls (within ``_PREEMPT_AFTER_SUBMIT_S``) for the first segment's code request to start."""
 _ABORT_WAIT_S = 2.0
 """How long a closing connection waits for the engine to confirm aborts."""
 
@@ -633,7 +628,6 @@ class _Connection:
         rid = request.request_id
         sched = self.sched
         it = None
-        pending: asyncio.Future[Any] | None = None
         steps = 0
         try:
             if refusal is not None:
@@ -645,30 +639,15 @@ class _Connection:
                 if runway is not None:  # the deadline now, not the one at submission
                     request = replace(request, priority=int(self._base_priority(False, runway)))
             it = self.engine.synthesize(request)
-            if sched.preempt_enabled:
+            if sched.preempt_enabled:  # its periodic check may pause it, or pause others for it
                 sched.track(rid, self.session.id, first, self._client_buffered_ms,
                             lambda ms: int(self._base_priority(False, ms)))
-                if first:
-                    # submit it to the engine now, then make room: the preempted segment is
-                    # resubmitted behind it (deadline priority) and must not take the slot first
-                    pending = asyncio.ensure_future(anext(it))
-                    submitted = getattr(self.engine, "submitted", None)
-                    for _ in range(_PREEMPT_SUBMIT_POLLS):
-                        if pending.done() or not callable(submitted) or submitted(rid):
-                            break
-                        await asyncio.sleep(_PREEMPT_AFTER_SUBMIT_S / _PREEMPT_SUBMIT_POLLS)
-                    await asyncio.sleep(_PREEMPT_AFTER_SUBMIT_S)
-                    sched.preempt_for_first()
             t_prev: float | None = None
             while True:
                 paused = not gate.is_set()
                 await gate.wait()
                 try:
-                    if pending is not None:
-                        fut, pending = pending, None
-                        chunk = await fut
-                    else:
-                        chunk = await anext(it)
+                    chunk = await anext(it)
                 except StopAsyncIteration:
                     sched.observe_segment(steps)
                     self.dispatch(self.session.on_stream_end, rid)
@@ -698,10 +677,6 @@ class _Connection:
             self.log.exception("engine stream %s failed", rid)
             self.dispatch(self.session.on_engine_error, rid, EngineFailure.RECOVERABLE)
         finally:
-            if pending is not None:
-                pending.cancel()
-                with contextlib.suppress(BaseException):
-                    await pending
             sched.release(rid)
             cur = self.runners.get(rid)
             if cur is not None and cur.task is asyncio.current_task():

@@ -26,7 +26,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from loadtest.procmem import RssSampler
 
@@ -198,11 +198,13 @@ def _make_engine(kind: str, cfg: Any) -> Any:
     return build_speech_engine(cfg)
 
 
-def _tiny_model_dir() -> str:
+def generated_model_dir(size: Literal["tiny", "small"] = "tiny") -> str:
+    """A random ChatTTS checkpoint of ``size`` (seed 0, rewritten each call: deterministic) under
+    ``$VOICEGW_LOADTEST_CKPT`` (default: the temp dir's ``voicegw-loadtest-ckpt``)."""
     from engine.checkpoint import make_checkpoint
 
     root = Path(os.environ.get("VOICEGW_LOADTEST_CKPT", Path(tempfile.gettempdir()) / "voicegw-loadtest-ckpt"))
-    return str(make_checkpoint(root / "tiny", "tiny", seed=0))
+    return str(make_checkpoint(root / size, size, seed=0))
 
 
 async def _child(args: argparse.Namespace) -> None:
@@ -210,7 +212,7 @@ async def _child(args: argparse.Namespace) -> None:
     from gateway.app import serve
 
     if args.engine in ("vllm", "native") and not args.model_dir:
-        args.model_dir = _tiny_model_dir()
+        args.model_dir = generated_model_dir()
     cfg = _build_config(args)
     eng = _make_engine(args.engine, cfg)
     priority_fn: Any

@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Random weights in upstream ChatTTS layout: for tests, benchmarks and offline development.",
     )
     s.add_argument("out", help="output directory")
-    s.add_argument("--size", choices=["tiny", "full"], default="tiny", help="tiny (tests) or full (real shapes)")
+    s.add_argument("--size", choices=["tiny", "small", "full"], default="tiny",
+                   help="tiny (tests), small (benchmarks near real time on a CPU) or full (real shapes)")
     s.add_argument("--seed", type=int, default=0, help="RNG seed (deterministic output)")
 
     s = sub.add_parser("loadtest", help="WebSocket load generator (see `voicegw loadtest --help`)", add_help=False)

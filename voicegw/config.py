@@ -193,13 +193,17 @@ class SchedulerConfig:
     (at most ``limits.flow_window_ms`` is ever ahead)."""
     preempt_max_per_segment: int = 2
     """Preemption: a segment is preempted at most this many times."""
+    preempt_first_wait_ms: float = 150.0
+    """Preemption: a first segment makes room only once it has waited this long for a batch slot
+    without producing (checked every 50 ms), so that a slot about to turn over costs no
+    preemption (a re-prefill and a resumed stream)."""
     preempt_rescue_ms: float = 700.0
-    """Preemption (with ``preempt``): a continuing segment that waits in the engine for a batch
-    slot while its client has less than this buffered (and no other segment of its session is
-    generating) takes the slot of a running continuing segment whose client has at least
-    ``preempt_min_buffer_ms`` (``engine.scheduler.choose_rescues``): a stream preempted for a new
-    utterance, or queued behind full slots, resumes before it runs dry. Checked every 100 ms.
-    0 = off."""
+    """Preemption (with ``preempt``): a preempted segment that still waits in the engine for a
+    batch slot while its client has less than this buffered (and no other segment of its session
+    is generating) takes the slot of a running continuing segment whose client has at least
+    ``preempt_min_buffer_ms`` (``engine.scheduler.choose_rescues``), so that a stream paused for a
+    new utterance resumes before it runs dry. Segments queued because the engine is
+    oversubscribed are not rescued. Checked every 50 ms. 0 = off."""
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,8 @@ def test_no_preemption_while_continuing_segments_already_queue() -> None:
 # ---- choose_rescues: a waiting stream about to run dry takes a deep stream's slot
 
 
-def wait(key: str, buf: float, group: str = "") -> WaitingSegment:
-    return WaitingSegment(key, buf, group or key)
+def wait(key: str, buf: float, group: str = "", n: int = 1) -> WaitingSegment:
+    return WaitingSegment(key, buf, group or key, n)
 
 
 def test_rescue_swaps_urgent_waiting_for_deepest_running() -> None:
@@ -77,3 +77,10 @@ def test_rescue_not_while_its_own_session_is_speaking_nor_from_it() -> None:
     run = [seg("b1", 3_000, group="b"), seg("b2", 3_000, group="b")]
     got = choose_rescues([wait("x", 100), wait("y", 200)], run, urgent_ms=700)
     assert got == [("x", "b1")]
+
+
+def test_rescue_only_segments_that_were_preempted() -> None:
+    # queued because the engine is oversubscribed, never preempted: no swap
+    run = [seg("a", 1_900)]
+    assert choose_rescues([wait("w", 100, n=0)], run, urgent_ms=700) == []
+    assert choose_rescues([wait("w", 100, n=1)], run, urgent_ms=700) == [("w", "a")]

@@ -38,7 +38,7 @@ async def _pcm(speech: Any, rid: str, preempt_after_chunks: tuple[int, ...] = ()
         out += ch.pcm
         steps += ch.steps
         chunks += 1
-        if ch.steps and not seen_preemptions and not ch.finished:
+        if ch.steps and len(todo) == len(preempt_after_chunks) and not ch.finished:
             assert not speech.awaiting_slot(rid), "a segment that produces is not waiting for a slot"
         if todo and chunks >= todo[0] and speech.can_preempt(rid):  # a resumed one: once it runs again
             todo.pop(0)

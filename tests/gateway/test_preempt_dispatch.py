@@ -146,63 +146,88 @@ class RescueEngine(StubEngine):
         return key in self.no_slot or key in self.waiting
 
 
-async def test_rescue_swaps_a_stream_about_to_run_dry_for_a_deep_one() -> None:
+def _cont(s: EngineScheduler, eng: StubEngine, key: str, group: str, bufs: dict[str, float],
+          preempted: int = 0) -> None:
+    s.submit(key, group, False, bufs[group], [])
+    s.track(key, group, False, lambda: bufs[group], lambda ms: 100 + int(ms // 1000))
+    eng.counts[key] = preempted
+
+
+async def test_rescue_gives_a_preempted_stream_about_to_run_dry_a_deep_ones_slot() -> None:
     eng = RescueEngine()
     s = _sched(eng)
     assert s.rescue_ms == 700.0
     bufs = {"a": 1_800.0, "b": 1_200.0, "c": 300.0}
-
-    def run(key: str, group: str) -> None:
-        s.submit(key, group, False, bufs[group], [])
-        s.track(key, group, False, lambda: bufs[group], lambda ms: 100 + int(ms // 1000))
-        eng.counts.setdefault(key, 0)
-
-    run("a-1-1", "a")
-    run("b-1-1", "b")
-    run("c-1-2", "c")
+    _cont(s, eng, "a-1-1", "a", bufs)
+    _cont(s, eng, "b-1-1", "b", bufs)
+    _cont(s, eng, "c-1-2", "c", bufs, preempted=1)
     for key in ("a-1-1", "b-1-1"):
         s.first_output(key)
-    eng.no_slot.add("c-1-2")  # waits behind a and b; its client has 300 ms left
-    assert s.rescue_urgent() == [], "waiting, but not long enough to tell it from a prefill"
-    await asyncio.sleep(0.17)
-    assert s.rescue_urgent() == [("c-1-2", "a-1-1")]
-    await asyncio.sleep(0)
-    assert eng.calls == [("a-1-1", 101)] and s.rescues == 1
-    assert s.rescue_urgent() == [], "the same waiting segment: not again at once"
-    # the freed slot went elsewhere: retried after RESCUE_RETRY_S, with the next deepest victim
+    eng.no_slot.add("c-1-2")  # resumed, waits behind a and b; its client has 300 ms left
+    await asyncio.sleep(0.1)
+    assert s.rescues == 0, "waiting, but not long enough to tell it from a prefill"
+    await asyncio.sleep(0.2)
+    assert s.rescues == 1 and eng.calls == [("a-1-1", 101)], "deepest buffer first"
+    await asyncio.sleep(0.2)
+    assert s.rescues == 1, "the same waiting segment: not again at once"
+    # the freed slot went elsewhere and a runs again: retried after RESCUE_RETRY_S
     eng.waiting.discard("a-1-1")
-    await asyncio.sleep(0.5)
-    got = s.rescue_urgent()
-    assert got == [("c-1-2", "a-1-1")] or got == [("c-1-2", "b-1-1")]
-    # it got a slot: nothing more to do; the timer stops once nothing is tracked
+    await asyncio.sleep(0.45)
+    assert s.rescues == 2
+    # c got a slot: nothing more to do; the periodic check stops once nothing is tracked
     eng.no_slot.clear()
     eng.waiting.clear()
     s.first_output("c-1-2")
     assert s.rescue_urgent() == []
     for key in ("a-1-1", "b-1-1", "c-1-2"):
         s.release(key)
-    await asyncio.sleep(0.15)
-    assert s._rescue_timer is None
+    await asyncio.sleep(0.1)
+    assert s._check_timer is None
 
 
-async def test_rescue_timer_runs_and_can_be_off() -> None:
+async def test_no_rescue_for_segments_queued_by_oversubscription_or_when_off() -> None:
     eng = RescueEngine()
     s = _sched(eng)
-    s.submit("a-1-1", "a", False, 2_000.0, [])
-    s.track("a-1-1", "a", False, lambda: 2_000.0, lambda ms: 100)
+    bufs = {"a": 2_000.0, "c": 100.0}
+    _cont(s, eng, "a-1-1", "a", bufs)
     s.first_output("a-1-1")
-    eng.counts["a-1-1"] = 0
-    s.submit("c-1-1", "c", False, 100.0, [])
-    s.track("c-1-1", "c", False, lambda: 100.0, lambda ms: 100)
+    _cont(s, eng, "c-1-1", "c", bufs)  # never preempted: queued because slots are short
     eng.no_slot.add("c-1-1")
-    eng.counts["c-1-1"] = 0
-    for _ in range(20):
-        await asyncio.sleep(0.05)
-        if s.rescues:
-            break
-    assert s.rescues == 1 and eng.calls == [("a-1-1", 100)]
+    await asyncio.sleep(0.3)
+    assert s.rescues == 0 and eng.calls == []
     s.release("a-1-1")
     s.release("c-1-1")
     cfg = Config(engine=EngineConfig(max_num_seqs=2, scheduling_policy="priority"),
                  scheduler=replace(SchedulerConfig(), preempt=True, preempt_rescue_ms=0.0))
     assert EngineScheduler(cfg, RescueEngine()).rescue_ms == 0.0
+
+
+async def test_first_segment_preempts_only_after_waiting_for_a_slot() -> None:
+    eng = RescueEngine()
+    s = _sched(eng, seqs=2)
+    assert s.first_wait_s == 0.15
+    bufs = {"a": 5_000.0, "b": 3_000.0}
+    _cont(s, eng, "a-1-1", "a", bufs)
+    _cont(s, eng, "b-1-1", "b", bufs)
+    eng.running = 2
+    for key in ("a-1-1", "b-1-1"):
+        s.first_output(key)
+    # a slot turns over within the wait: no preemption
+    _run(s, eng, "f-1-0", "f", True, 0.0)
+    eng.no_slot.add("f-1-0")
+    await asyncio.sleep(0.1)
+    eng.no_slot.discard("f-1-0")
+    s.first_output("f-1-0")
+    await asyncio.sleep(0.2)
+    assert eng.calls == []
+    s.release("f-1-0")
+    eng.running -= 1
+    # no slot turns over: the deepest stream makes room
+    _run(s, eng, "g-1-0", "g", True, 0.0)
+    eng.no_slot.add("g-1-0")
+    await asyncio.sleep(0.1)
+    assert eng.calls == []
+    await asyncio.sleep(0.2)
+    assert [k for k, _ in eng.calls] == ["a-1-1"]
+    for key in ("a-1-1", "b-1-1", "g-1-0"):
+        s.release(key)
