@@ -248,8 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    ckpt = f"checkpoint {args.model_dir}"
     if args.engine == "vllm" and not args.model_dir and not args.from_raw:
         args.model_dir = generated_model_dir(args.model_size)
+        ckpt = f"{args.model_size} random ChatTTS checkpoint"
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     base = ScenarioParams(
         scenario="burst", sessions=args.sessions, background=args.background, bursts=args.bursts,
@@ -327,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         body = "\n".join([
             f"Run {datetime.date.today().isoformat()} on {platform.machine()} with {os.cpu_count()} CPUs "
             f"(shared with other work), engine `{args.engine}`"
-            + (" (tiny random ChatTTS checkpoint, vLLM CPU)" if args.engine == "vllm" else "") + ".",
+            + (f" ({ckpt}, vLLM CPU)" if args.engine == "vllm" else "") + ".",
             f"Command: `{cmd.strip()}`",
             "",
             f"Scenario: {args.background} sessions speaking long answers back to back; {args.bursts} bursts of "

@@ -279,7 +279,10 @@ class EngineScheduler:
         # first segments with no output yet sit at the head of vLLM's priority queue; whatever
         # else is beyond the batch limit is a continuing segment waiting for a slot
         firsts_waiting = sum(1 for k in self._first_waiting if not callable(submitted) or submitted(k))
-        queued_continuing = max(0, in_engine - self.max_num_seqs - firsts_waiting)
+        # the guard against preempting into an oversubscribed engine protects victims that nothing
+        # would bring back in time; with rescues on, a victim about to run dry takes a deep
+        # stream's slot back, so it is not needed
+        queued_continuing = 0 if self.rescue_ms > 0 else max(0, in_engine - self.max_num_seqs - firsts_waiting)
         running: list[RunningSegment] = []
         preemptions = getattr(self.engine, "preemptions", None)
         can_preempt = getattr(self.engine, "can_preempt", None)

@@ -112,8 +112,12 @@ async def test_engine_without_preempt_disables_it() -> None:
 
 
 async def test_no_preemption_while_continuing_segments_queue_in_the_engine() -> None:
+    """Without rescues (``preempt_rescue_ms`` 0) a victim would queue behind them and run dry."""
     eng = StubEngine()
-    s = _sched(eng, seqs=2)
+    cfg = Config(engine=EngineConfig(max_num_seqs=2, scheduling_policy="priority"),
+                 scheduler=replace(SchedulerConfig(), preempt=True, preempt_min_buffer_ms=1_000.0,
+                                   admission=False, preempt_rescue_ms=0.0))
+    s = EngineScheduler(cfg, eng)
     _run(s, eng, "a-1-1", "a", False, 5_000.0)
     _run(s, eng, "b-1-1", "b", False, 3_000.0)
     _run(s, eng, "b-1-2", "b", False, 3_000.0)  # b's next segment: beyond the 2 slots, queued
@@ -125,6 +129,21 @@ async def test_no_preemption_while_continuing_segments_queue_in_the_engine() -> 
     eng.running -= 1
     _run(s, eng, "d-1-0", "d", True, 0.0)
     assert s.preempt_for_first() == ["a-1-1", "b-1-1"]
+
+
+async def test_with_rescues_preemption_goes_on_while_continuing_segments_queue() -> None:
+    eng = StubEngine()
+    s = _sched(eng, seqs=2)
+    assert s.rescue_ms > 0
+    _run(s, eng, "a-1-1", "a", False, 5_000.0)
+    _run(s, eng, "b-1-1", "b", False, 3_000.0)
+    _run(s, eng, "b-1-2", "b", False, 3_000.0)  # queued
+    s.first_output("a-1-1")
+    s.first_output("b-1-1")
+    _run(s, eng, "c-1-0", "c", True, 0.0)
+    assert s.preempt_for_first() == ["a-1-1"], "a victim about to run dry would be rescued"
+    for key in ("a-1-1", "b-1-1", "b-1-2", "c-1-0"):
+        s.release(key)
 
 
 def test_fcfs_never_preempts() -> None:
