@@ -120,6 +120,8 @@ _POLICY_OPTIONS: dict[str, tuple[str, Callable[[str], str]]] = {
     "pbuf": ("scheduler.preempt_min_buffer_ms", lambda v: str(float(v))),
     "pmax": ("scheduler.preempt_max_per_segment", lambda v: str(int(v))),
     "rescue": ("scheduler.preempt_rescue_ms", lambda v: str(float(v))),
+    "rqueued": ("scheduler.preempt_rescue_queued", _flag),
+    "pwait": ("scheduler.preempt_first_wait_ms", lambda v: str(float(v))),
 }
 
 
@@ -133,7 +135,8 @@ def _policy_spec(spec: str, lead: float | None, slack: float | None
     ``scheduler.dispatch_lead_ms``. ``preempt=1``: ``scheduler.preempt`` (running continuing
     segments with client audio to spare are paused and resumed for new utterances); ``pbuf``:
     ``scheduler.preempt_min_buffer_ms``; ``pmax``: ``scheduler.preempt_max_per_segment``;
-    ``rescue``: ``scheduler.preempt_rescue_ms`` (0: no rescues of waiting streams).
+    ``rescue``: ``scheduler.preempt_rescue_ms`` (0: no rescues of waiting streams); ``rqueued=1``:
+    ``scheduler.preempt_rescue_queued``; ``pwait``: ``scheduler.preempt_first_wait_ms``.
     Returns (policy, lead, slack, server overrides)."""
     name, *opts = spec.split(":")
     extra: dict[str, str] = {}
@@ -148,7 +151,7 @@ def _policy_spec(spec: str, lead: float | None, slack: float | None
             extra[key] = conv(v)
         else:
             raise SystemExit(f"unknown policy option {opt!r} in {spec!r} (lead=MS, slack=MS, dispatch=1, "
-                             "reserve=F, dlead=MS, preempt=1, pbuf=MS, pmax=N, rescue=MS)")
+                             "reserve=F, dlead=MS, preempt=1, pbuf=MS, pmax=N, rescue=MS, rqueued=1, pwait=MS)")
     if name != "priority":
         lead = slack = None
         extra = {}

@@ -694,6 +694,7 @@ def choose_rescues(
     min_buffer_ms: float = 1_000.0,
     max_preemptions: int = 2,
     preemptible: Callable[[str], bool] = lambda key: True,
+    only_preempted: bool = True,
 ) -> list[tuple[str, str]]:
     """Swaps that keep streams already playing from running dry: pairs (waiting key, running key
     to preempt) so that a continuing segment waiting for a batch slot whose client is about to
@@ -706,9 +707,10 @@ def choose_rescues(
     only at slot turnover (bench/RESULTS.md runs U-W). Earliest deadline first across running
     and waiting streams, at the cost of one re-prefill per swap.
 
-    Rules: only a segment that was preempted is rescued (the scheduler paused it, so it owes it the
-    slot back); a continuing segment that queues because the engine is oversubscribed is not (there
-    swaps only spread the shortfall over more streams and cost a re-prefill each). It is urgent when
+    Rules: with ``only_preempted``, only a segment that was preempted is rescued (the scheduler
+    paused it, so it owes it the slot back), not one that queues because the engine is
+    oversubscribed (there swaps spread the shortfall over more streams, a re-prefill each);
+    without, any waiting continuing segment is (earliest deadline first across all streams). It is urgent when
     its client has less than ``urgent_ms`` buffered and no other segment of its session is running
     (that one's audio is still coming); most urgent first.
     Victims: running continuing segments (``first`` False, ``preemptible(key)``) of another
@@ -723,7 +725,7 @@ def choose_rescues(
         return []
     speaking = {r.group for r in running if r.group}
     urgent = sorted((w for w in waiting
-                     if w.preemptions > 0 and w.client_buffered_ms < urgent_ms
+                     if (w.preemptions > 0 or not only_preempted) and w.client_buffered_ms < urgent_ms
                      and not (w.group and w.group in speaking)),
                     key=lambda w: (w.client_buffered_ms, w.key))
     victims = sorted(

@@ -130,6 +130,7 @@ class EngineScheduler:
         self._rescued_at: dict[str, float] = {}
         self._check_timer: asyncio.TimerHandle | None = None
         self.first_wait_s = max(0.0, float(sc.preempt_first_wait_ms)) / 1000.0
+        self.rescue_queued = bool(sc.preempt_rescue_queued)
         self.rescues = 0
         """Preemptions made by ``rescue_urgent`` (also counted in ``preempted`` once done)."""
         self.on_preempt: Callable[[int], None] | None = None
@@ -334,7 +335,8 @@ class EngineScheduler:
         pairs = choose_rescues(waiting, running, urgent_ms=self.rescue_ms,
                                min_buffer_ms=self.preempt_min_buffer_ms,
                                max_preemptions=self.preempt_max_per_segment,
-                               preemptible=lambda k: not callable(can_preempt) or bool(can_preempt(k)))
+                               preemptible=lambda k: not callable(can_preempt) or bool(can_preempt(k)),
+                               only_preempted=not self.rescue_queued)
         for waiting_key, key in pairs:
             self._rescued_at[waiting_key] = now
             self._start_preempt(key)

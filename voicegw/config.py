@@ -203,7 +203,11 @@ class SchedulerConfig:
     is generating) takes the slot of a running continuing segment whose client has at least
     ``preempt_min_buffer_ms`` (``engine.scheduler.choose_rescues``), so that a stream paused for a
     new utterance resumes before it runs dry. Segments queued because the engine is
-    oversubscribed are not rescued. Checked every 50 ms. 0 = off."""
+    oversubscribed are not rescued (unless ``preempt_rescue_queued``). Checked every 50 ms.
+    0 = off."""
+    preempt_rescue_queued: bool = False
+    """Preemption: rescue any continuing segment waiting for a slot, not only preempted ones
+    (earliest deadline first across running and waiting streams, a re-prefill per swap)."""
 
 
 @dataclass(frozen=True)

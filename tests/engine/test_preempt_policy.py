@@ -84,3 +84,4 @@ def test_rescue_only_segments_that_were_preempted() -> None:
     run = [seg("a", 1_900)]
     assert choose_rescues([wait("w", 100, n=0)], run, urgent_ms=700) == []
     assert choose_rescues([wait("w", 100, n=1)], run, urgent_ms=700) == [("w", "a")]
+    assert choose_rescues([wait("w", 100, n=0)], run, urgent_ms=700, only_preempted=False) == [("w", "a")]
