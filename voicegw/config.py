@@ -179,15 +179,16 @@ class SchedulerConfig:
     client's runway (audio ahead of the playhead) falls to this."""
     preempt: bool = False
     """Preemption for new utterances (vLLM backend, ``engine.scheduling_policy = "priority"``):
-    when a first segment of an utterance arrives while the engine holds ``engine.max_num_seqs``
-    requests, one running continuing segment whose client has at least ``preempt_min_buffer_ms``
-    buffered is aborted and at once resubmitted as a resumed request (its codes so far as the
+    when a first segment of an utterance has waited ``preempt_first_wait_ms`` for a batch slot
+    (the engine holds ``engine.max_num_seqs`` requests), one running continuing segment whose
+    client has at least ``preempt_min_buffer_ms`` buffered is aborted and at once resubmitted as a resumed request (its codes so far as the
     prompt prefix, its deadline priority), so the first segment takes its batch slot instead of
-    waiting for slot turnover. The preempted stream's audio continues seamlessly. Never under
-    FCFS, nor while continuing segments already wait for a slot. Off by default: on a 2-core CPU
-    (bench/RESULTS.md, Scheduling) it cut the burst's TTFA p99 5.5x against FCFS when the slots
-    were full (run U; playing streams 1 underrun of 64 ms vs 0) but once cost a playing stream 2 s
-    of audio with 4 slots (run V)."""
+    waiting for slot turnover. The preempted stream's audio continues seamlessly; a preempted
+    stream about to run dry is rescued (``preempt_rescue_ms``). Never under FCFS. Off by default:
+    on a 2-core CPU (bench/RESULTS.md, Scheduling) it cut the burst's TTFA p99 5.5x against FCFS
+    on one machine (run U; playing streams 1 underrun of 64 ms vs 0), but on a faster one with
+    the engine near capacity no variant beat FCFS on both the burst's p99 and the playing
+    streams' underruns (runs Y-Z3)."""
     preempt_min_buffer_ms: float = 1_000.0
     """Preemption: only segments whose client has at least this much audio ahead of its playhead
     (at most ``limits.flow_window_ms`` is ever ahead)."""
