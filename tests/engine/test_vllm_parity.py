@@ -258,32 +258,41 @@ async def test_engine_crash_is_unrecoverable_then_restart(vllm_engine: Any, refe
     health() says so; restart() brings the engine back (runs last: it restarts the session engine)."""
     import psutil
 
-    reqs = [SpeechRequest(f"crash{i}", TEXTS[i], speaker=3, params=SamplingParams(min_new_tokens=400, max_new_tokens=400)) for i in range(3)]
+    # long requests, and the kill as soon as all three stream (a fast host finishes 400 steps in
+    # well under a second)
+    reqs = [SpeechRequest(f"crash{i}", TEXTS[i], speaker=3, params=SamplingParams(min_new_tokens=2000, max_new_tokens=2000)) for i in range(3)]
+    started = [asyncio.Event() for _ in reqs]
 
-    async def run(r: SpeechRequest) -> BaseException | None:
+    async def run(r: SpeechRequest, ev: asyncio.Event) -> BaseException | None:
         try:
             async for _ in vllm_engine.generate(r):
-                pass
+                ev.set()
         except EngineError as exc:
             return exc
         return None
 
-    tasks = [asyncio.create_task(run(r)) for r in reqs]
-    await asyncio.sleep(1.0)
-    mine = psutil.Process(os.getpid()).children(recursive=True)
-    cores = [p for p in mine if "EngineCor" in p.name() or "EngineCore" in " ".join(p.cmdline())]
-    assert cores, [p.name() for p in mine]
-    for p in cores:
-        os.kill(p.pid, signal.SIGKILL)
-    errors = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
-    assert all(isinstance(e, EngineError) and e.kind == EngineErrorKind.UNRECOVERABLE for e in errors), errors
-    health = vllm_engine.health()
-    assert not health.healthy
-    with pytest.raises(EngineError) as info:
-        async for _ in vllm_engine.generate(SpeechRequest("dead", TEXTS[0], params=greedy(2))):
-            pass
-    assert info.value.kind == EngineErrorKind.UNRECOVERABLE
-    await vllm_engine.restart()
+    tasks = [asyncio.create_task(run(r, ev)) for r, ev in zip(reqs, started, strict=True)]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), timeout=30)
+        mine = psutil.Process(os.getpid()).children(recursive=True)
+        cores = [p for p in mine if "EngineCor" in p.name() or "EngineCore" in " ".join(p.cmdline())]
+        assert cores, [p.name() for p in mine]
+        for p in cores:
+            os.kill(p.pid, signal.SIGKILL)
+        errors = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+        assert all(isinstance(e, EngineError) and e.kind == EngineErrorKind.UNRECOVERABLE for e in errors), errors
+        health = vllm_engine.health()
+        assert not health.healthy
+        with pytest.raises(EngineError) as info:
+            async for _ in vllm_engine.generate(SpeechRequest("dead", TEXTS[0], params=greedy(2))):
+                pass
+        assert info.value.kind == EngineErrorKind.UNRECOVERABLE
+    finally:  # the session's engine serves later tests: bring it back whatever happened here
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if not vllm_engine.health().healthy:
+            await vllm_engine.restart()
     assert vllm_engine.health().healthy
     got, _ = await collect(vllm_engine, SpeechRequest("reborn", TEXTS[0], speaker=3, params=greedy(40)))
     assert_same(got, await oracle(reference_engine, TEXTS[0], 3, greedy(40)), "after restart")

@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import orjson
 import pytest
 
 from gateway import protocol as P
@@ -95,6 +96,8 @@ async def _session(port: int, text: str = LONG_TEXT, *, rcvbuf: int | None = Non
 
 
 async def _first_audio(conn: RawConn, within_s: float = 10.0) -> None:
+    """Until the first audio frame, or an error that ends the utterance without audio (under a
+    wave of sessions admission control may refuse it: ``engine_overloaded``)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within_s
     while True:
@@ -102,6 +105,8 @@ async def _first_audio(conn: RawConn, within_s: float = 10.0) -> None:
         if f.opcode == OP_BINARY:
             return
         assert f.opcode == OP_TEXT, f
+        if orjson.loads(f.payload).get("type") == "error":
+            return
 
 
 # ---- client killed -------------------------------------------------------------------------------
