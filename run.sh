@@ -14,8 +14,8 @@ stamp="$VENV/.voicegw-install-$(cat pyproject.toml | sha256sum | cut -c1-16)-${E
 
 if [ ! -f "$stamp" ]; then
   echo "run.sh: installing voicegw[$EXTRAS] into $VENV (first run takes a few minutes)" >&2
-  # The install needs ~2 GiB in the venv and as much again while pip unpacks; no pip cache is
-  # kept (it would double that), and a full disk is named before pip fails on it.
+  # The install needs about 4 GiB (the venv); no pip cache is kept (it would double that), and a
+  # full disk is named before pip fails on it.
   free_mib=$(df -Pm "$(dirname "$(readlink -f "$VENV")")" | awk 'NR==2 {print $4}')
   if [ "${free_mib:-0}" -lt 4096 ]; then
     echo "run.sh: only ${free_mib} MiB free where $VENV goes; the install needs about 4 GiB" >&2

@@ -245,7 +245,7 @@ class EngineScheduler:
         now = asyncio.get_running_loop().time()
         self._note_waiting(now)
         self.preempt_for_first(min_wait_s=self.first_wait_s, now_s=now)
-        self.rescue_urgent()
+        self.rescue_urgent(now_s=now)
 
     def _note_waiting(self, now: float) -> None:
         """Since when each tracked segment waits for a batch slot (the engine's ``awaiting_slot``)."""
@@ -284,19 +284,10 @@ class EngineScheduler:
         # would bring back in time; with rescues on, a victim about to run dry takes a deep
         # stream's slot back, so it is not needed
         queued_continuing = 0 if self.rescue_ms > 0 else max(0, in_engine - self.max_num_seqs - firsts_waiting)
-        running: list[RunningSegment] = []
-        preemptions = getattr(self.engine, "preemptions", None)
         can_preempt = getattr(self.engine, "can_preempt", None)
-        for key in sorted(self._has_output):
-            t = self._tracked.get(key)
-            if t is None or t.first:
-                continue
-            if key in self._preempting or (callable(can_preempt) and not can_preempt(key)):
-                continue  # finishing, or a resumed request still waiting for a slot
-            n = preemptions(key) if callable(preemptions) else 0
-            if n is None:
-                continue  # no longer in the engine
-            running.append(RunningSegment(key, float(t.buffered_ms()), False, int(n), t.group))
+        # finishing segments and resumed requests still waiting for a slot cannot be preempted
+        running = [r for r in self._running_segments()
+                   if not r.first and (not callable(can_preempt) or can_preempt(r.key))]
         keys = choose_preemptions(running, len(uncovered), free_slots=free,
                                   min_buffer_ms=self.preempt_min_buffer_ms,
                                   max_preemptions=self.preempt_max_per_segment,
@@ -306,33 +297,28 @@ class EngineScheduler:
             self._start_preempt(key)
         return keys
 
-    def rescue_urgent(self) -> list[tuple[str, str]]:
+    def rescue_urgent(self, now_s: float | None = None) -> list[tuple[str, str]]:
         """Preempt running continuing segments with audio to spare for preempted segments that
         wait for a slot while their client is about to run dry (``choose_rescues``; part of
-        ``check_preemptions``). Returns (waiting, preempted) pairs."""
-        awaiting = getattr(self.engine, "awaiting_slot", None)
-        if self.rescue_ms <= 0 or not callable(awaiting):
+        ``check_preemptions``, which passes ``now_s`` after ``_note_waiting``). Returns (waiting,
+        preempted) pairs."""
+        if self.rescue_ms <= 0 or not callable(getattr(self.engine, "awaiting_slot", None)):
             return []
-        now = asyncio.get_running_loop().time()
-        self._note_waiting(now)
+        if now_s is None:
+            now_s = asyncio.get_running_loop().time()
+            self._note_waiting(now_s)
+        now = now_s
         preemptions = getattr(self.engine, "preemptions", None)
         can_preempt = getattr(self.engine, "can_preempt", None)
         waiting: list[WaitingSegment] = []
-        running: list[RunningSegment] = []
-        for key, t in self._tracked.items():
-            if key in self._preempting:
+        for key, since in self._waiting_since.items():
+            t = self._tracked.get(key)
+            if (t is None or t.first or now - since < RESCUE_MIN_WAIT_S
+                    or now - self._rescued_at.get(key, -math.inf) < RESCUE_RETRY_S):
                 continue
             n = preemptions(key) if callable(preemptions) else 0
-            since = self._waiting_since.get(key)
-            if since is not None:
-                if (not t.first and now - since >= RESCUE_MIN_WAIT_S
-                        and now - self._rescued_at.get(key, -math.inf) >= RESCUE_RETRY_S):
-                    waiting.append(WaitingSegment(key, float(t.buffered_ms()), t.group, int(n or 0)))
-                continue
-            if key not in self._has_output or n is None:
-                continue  # not started yet, or no longer in the engine
-            running.append(RunningSegment(key, float(t.buffered_ms()), t.first, int(n), t.group))
-        pairs = choose_rescues(waiting, running, urgent_ms=self.rescue_ms,
+            waiting.append(WaitingSegment(key, float(t.buffered_ms()), t.group, int(n or 0)))
+        pairs = choose_rescues(waiting, self._running_segments(), urgent_ms=self.rescue_ms,
                                min_buffer_ms=self.preempt_min_buffer_ms,
                                max_preemptions=self.preempt_max_per_segment,
                                preemptible=lambda k: not callable(can_preempt) or bool(can_preempt(k)),
@@ -342,6 +328,21 @@ class EngineScheduler:
             self._start_preempt(key)
         self.rescues += len(pairs)
         return pairs
+
+    def _running_segments(self) -> list[RunningSegment]:
+        """Tracked segments the engine generates now (first ones too): they produced output, are
+        not waiting for a slot (``_note_waiting``) nor being preempted, and are still in the engine."""
+        preemptions = getattr(self.engine, "preemptions", None)
+        out: list[RunningSegment] = []
+        for key in sorted(self._has_output):
+            t = self._tracked.get(key)
+            if t is None or key in self._preempting or key in self._waiting_since:
+                continue
+            n = preemptions(key) if callable(preemptions) else 0
+            if n is None:
+                continue  # no longer in the engine
+            out.append(RunningSegment(key, float(t.buffered_ms()), t.first, int(n), t.group))
+        return out
 
     def _on_check_timer(self) -> None:
         self._check_timer = None
