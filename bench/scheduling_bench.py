@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of priority|buffer|fcfs; priority:lead=MS:slack=MS sets deadline-mode knobs, "
                         "priority:dispatch=1[:reserve=F][:dlead=MS] adds gateway-side deadline dispatch, "
                         "priority:preempt=1[:pbuf=MS][:pmax=N][:rescue=MS] preemption of running segments for new "
-                        "utterances (and for waiting streams about to run dry; rescue=0: not)")
+                        "utterances (and for waiting streams about to run dry; rescue=0: not); priority:gen=0 deadlines "
+                        "from audio in hand only (not the predecessor's expected rest)")
     p.add_argument("--first-lead-ms", type=float, default=None, help="deadline policy: first segment lead")
     p.add_argument("--slack-ms", type=float, default=None, help="deadline policy: continuing-segment slack")
     p.add_argument("--max-num-seqs", type=int, default=4, help="engine batch limit (small: bursts must queue)")
@@ -122,6 +123,7 @@ _POLICY_OPTIONS: dict[str, tuple[str, Callable[[str], str]]] = {
     "rescue": ("scheduler.preempt_rescue_ms", lambda v: str(float(v))),
     "rqueued": ("scheduler.preempt_rescue_queued", _flag),
     "pwait": ("scheduler.preempt_first_wait_ms", lambda v: str(float(v))),
+    "gen": ("scheduler.runway_counts_generating", _flag),
 }
 
 
@@ -136,7 +138,8 @@ def _policy_spec(spec: str, lead: float | None, slack: float | None
     segments with client audio to spare are paused and resumed for new utterances); ``pbuf``:
     ``scheduler.preempt_min_buffer_ms``; ``pmax``: ``scheduler.preempt_max_per_segment``;
     ``rescue``: ``scheduler.preempt_rescue_ms`` (0: no rescues of waiting streams); ``rqueued=1``:
-    ``scheduler.preempt_rescue_queued``; ``pwait``: ``scheduler.preempt_first_wait_ms``.
+    ``scheduler.preempt_rescue_queued``; ``pwait``: ``scheduler.preempt_first_wait_ms``;
+    ``gen=0``: ``scheduler.runway_counts_generating`` off.
     Returns (policy, lead, slack, server overrides)."""
     name, *opts = spec.split(":")
     extra: dict[str, str] = {}
@@ -151,7 +154,7 @@ def _policy_spec(spec: str, lead: float | None, slack: float | None
             extra[key] = conv(v)
         else:
             raise SystemExit(f"unknown policy option {opt!r} in {spec!r} (lead=MS, slack=MS, dispatch=1, "
-                             "reserve=F, dlead=MS, preempt=1, pbuf=MS, pmax=N, rescue=MS, rqueued=1, pwait=MS)")
+                             "reserve=F, dlead=MS, preempt=1, pbuf=MS, pmax=N, rescue=MS, rqueued=1, pwait=MS, gen=0|1)")
     if name != "priority":
         lead = slack = None
         extra = {}

@@ -714,8 +714,7 @@ class Session:
     def _submit(self, now_s: float, utt: _Utterance, text: str, out: list[Action]) -> None:
         index = len(utt.segments)
         first = index == 0
-        buffered = self._flow.ahead(now_s) + sum(s.held_samples for s in self._streams)
-        priority = int(self._priority_fn(first, buffered * 1000.0 / self.rate_hz))
+        priority = int(self._priority_fn(first, self._runway_samples(now_s) * 1000.0 / self.rate_hz))
         request_id = f"{self.id}-{utt.id}-{index}"
         seg = _Segment(index=index, text=text, units=text_units(text), request_id=request_id)
         utt.segments.append(seg)
@@ -737,6 +736,17 @@ class Session:
             priority=priority,
             sample_rate_hz=self.rate_hz,
         )))
+
+    def _runway_samples(self, now_s: float) -> int:
+        """Audio that plays before a segment submitted now: ahead of the client's playhead, held
+        here, and (``scheduler.runway_counts_generating``) still expected from the segments
+        generating ahead of it (their text's estimated duration less what they produced)."""
+        runway = self._flow.ahead(now_s) + sum(s.held_samples for s in self._streams)
+        if self.settings.scheduler.runway_counts_generating:
+            per_unit = self.settings.est_ms_per_unit * self.rate_hz / 1000.0
+            runway += sum(max(0, int(s.seg.units * per_unit) - s.seg.generated)
+                          for s in self._streams if s.generating)
+        return runway
 
     def _mark_ready(self, now_s: float) -> None:
         """Note when an utterance's first segment could go out but waits for the pipeline."""

@@ -159,6 +159,13 @@ class SchedulerConfig:
     """Number of buffer-level priority buckets for continuing segments."""
     bucket_ms: float = 500.0
     """Width of one priority bucket in ms of client-buffered audio."""
+    runway_counts_generating: bool = True
+    """A continuing segment's deadline (its engine priority) counts, besides the audio the client
+    has ahead and the audio the gateway holds, the audio still expected from this session's
+    segments generating ahead of it (text units x ``est_ms_per_unit``, less what they already
+    produced): the segment is needed when those finish playing, not now. Off: only audio in hand,
+    so a segment submitted while its predecessor has just started looks as urgent as a new
+    utterance and overtakes streams that are playing."""
     admission: bool = True
     """Admission control for the first segment of an utterance: when the engine has no free batch
     slot (``engine.max_num_seqs``) and the estimated time to first audio (queue length, learned
