@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "priority:dispatch=1[:reserve=F][:dlead=MS] adds gateway-side deadline dispatch, "
                         "priority:preempt=1[:pbuf=MS][:pmax=N][:rescue=MS] preemption of running segments for new "
                         "utterances (and for waiting streams about to run dry; rescue=0: not); priority:gen=0 deadlines "
-                        "from audio in hand only (not the predecessor's expected rest)")
+                        "from audio in hand only (not the predecessor's expected rest); priority:requeue=1 "
+                        "resubmits a waiting segment whose deadline moved earlier")
     p.add_argument("--first-lead-ms", type=float, default=None, help="deadline policy: first segment lead")
     p.add_argument("--slack-ms", type=float, default=None, help="deadline policy: continuing-segment slack")
     p.add_argument("--max-num-seqs", type=int, default=4, help="engine batch limit (small: bursts must queue)")
@@ -124,6 +125,7 @@ _POLICY_OPTIONS: dict[str, tuple[str, Callable[[str], str]]] = {
     "rqueued": ("scheduler.preempt_rescue_queued", _flag),
     "pwait": ("scheduler.preempt_first_wait_ms", lambda v: str(float(v))),
     "gen": ("scheduler.runway_counts_generating", _flag),
+    "requeue": ("scheduler.requeue_waiting", _flag),
 }
 
 
@@ -139,7 +141,7 @@ def _policy_spec(spec: str, lead: float | None, slack: float | None
     ``scheduler.preempt_min_buffer_ms``; ``pmax``: ``scheduler.preempt_max_per_segment``;
     ``rescue``: ``scheduler.preempt_rescue_ms`` (0: no rescues of waiting streams); ``rqueued=1``:
     ``scheduler.preempt_rescue_queued``; ``pwait``: ``scheduler.preempt_first_wait_ms``;
-    ``gen=0``: ``scheduler.runway_counts_generating`` off.
+    ``gen=0``: ``scheduler.runway_counts_generating`` off; ``requeue=1``: ``scheduler.requeue_waiting``.
     Returns (policy, lead, slack, server overrides)."""
     name, *opts = spec.split(":")
     extra: dict[str, str] = {}
@@ -154,7 +156,7 @@ def _policy_spec(spec: str, lead: float | None, slack: float | None
             extra[key] = conv(v)
         else:
             raise SystemExit(f"unknown policy option {opt!r} in {spec!r} (lead=MS, slack=MS, dispatch=1, "
-                             "reserve=F, dlead=MS, preempt=1, pbuf=MS, pmax=N, rescue=MS, rqueued=1, pwait=MS, gen=0|1)")
+                             "reserve=F, dlead=MS, preempt=1, pbuf=MS, pmax=N, rescue=MS, rqueued=1, pwait=MS, gen=0|1, requeue=0|1)")
     if name != "priority":
         lead = slack = None
         extra = {}

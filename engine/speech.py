@@ -255,6 +255,16 @@ class ChatTTSSpeech:
             return False
         return await codes.preempt(priority)
 
+    async def reprioritize(self, request_id: str, priority: int) -> bool:
+        """Give the segment ``request_id`` a new engine priority while it still waits for a batch
+        slot (its code request produced nothing yet): abort and submit it again at ``priority``
+        (it holds no KV worth keeping). False when it cannot: not waiting any more, unknown, or
+        segments read the code engine directly (``enable_preemption`` off)."""
+        codes = self._codes.get(request_id)
+        if codes is None or not self.supports_preempt:
+            return False
+        return await codes.requeue(priority)
+
     # ------------------------------------------------------------------ synthesis
 
     def synthesize(self, request: SpeechRequest) -> AsyncIterator[AudioChunk]:
@@ -380,6 +390,8 @@ class ResumableCodes:
         self.engine_rid = request.request_id
         """Request id of the code request now running (``<id>.p<n>`` after ``n`` preemptions)."""
         self.preemptions = 0
+        self.requeues = 0
+        """Times the request was resubmitted while waiting for a slot (``requeue``)."""
         self.frames_received = 0
         self._parts: list[np.ndarray] = []
         self._it: AsyncIterator[CodeFrames] | None = code.generate(request)
@@ -388,6 +400,7 @@ class ResumableCodes:
         self._queue: asyncio.Queue[object] | None = None
         self._pump: asyncio.Task[None] | None = None
         self._pending_priority: int | None = None
+        self._pending_requeue = False
         self.submitted = False
         """The first code request was started (its ``generate`` entered)."""
         self._resumed_waiting = False
@@ -449,12 +462,26 @@ class ResumableCodes:
         is finished, closing, already being preempted, or has no step left."""
         if not self.preemptible():
             return False
+        await self._restart(priority, requeue=False)
+        return True
+
+    async def requeue(self, priority: int) -> bool:
+        """Resubmit the code request at ``priority`` while it waits for a batch slot (submitted,
+        nothing received yet): a new place in the engine's queue, not a preemption. Frames that
+        raced in before the abort become the prefix, as for ``preempt``. False when it is not
+        waiting."""
+        if not self.awaiting_frames():
+            return False
+        await self._restart(priority, requeue=True)
+        return True
+
+    async def _restart(self, priority: int, requeue: bool) -> None:
         self._pending_priority = int(priority)
+        self._pending_requeue = requeue
         if self._queue is None:
             self._queue = asyncio.Queue()
             self._pump = asyncio.create_task(self._run_pump(), name=f"resume {self.rid}")
         await self._code.abort(self.engine_rid)
-        return True
 
     def _take(self, fr: CodeFrames) -> CodeFrames | None:
         """Record ``fr``'s frames; the preemption's own abort becomes a non-final frame (None if
@@ -491,9 +518,12 @@ class ResumableCodes:
                     prio, self._pending_priority = self._pending_priority, None
                     if prio is None or self._finished or self._closed:
                         break
-                    self.preemptions += 1
+                    if self._pending_requeue:
+                        self.requeues += 1
+                    else:
+                        self.preemptions += 1
                     prefix = np.concatenate(self._parts) if self._parts else None
-                    self.engine_rid = f"{self.rid}.p{self.preemptions}"
+                    self.engine_rid = f"{self.rid}.p{self.preemptions + self.requeues}"
                     req = dataclasses.replace(
                         self.request, request_id=self.engine_rid, priority=prio, prefix_codes=prefix
                     )

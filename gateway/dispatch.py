@@ -111,10 +111,17 @@ class EngineScheduler:
         self.refused = 0
         # preemption hands the freed slot to a first segment through vLLM's priority queue: it
         # means nothing under FCFS (and an FCFS baseline must not preempt)
-        self.preempt_enabled = (bool(sc.preempt) and self.priority_scheduling
-                                and bool(getattr(engine, "supports_preempt", False)))
-        if self.preempt_enabled:
-            self.preempt_enabled = bool(engine.enable_preemption(True))  # type: ignore[attr-defined]
+        # both need segments on the engine's restartable code iterator (``enable_preemption``)
+        resumable = (self.priority_scheduling and bool(getattr(engine, "supports_preempt", False))
+                     and (bool(sc.preempt) or bool(sc.requeue_waiting))
+                     and bool(engine.enable_preemption(True)))  # type: ignore[attr-defined]
+        self.preempt_enabled = resumable and bool(sc.preempt)
+        self.requeue_enabled = resumable and bool(sc.requeue_waiting)
+        """``scheduler.requeue_waiting`` in effect: ``reprioritize`` resubmits waiting segments."""
+        self.requeued = 0
+        self._requeue_tasks: set[asyncio.Task[None]] = set()
+        self.on_requeue: Callable[[int], None] | None = None
+        """Called with 1 for each waiting segment resubmitted at an earlier priority (metrics)."""
         self.preempt_min_buffer_ms = float(sc.preempt_min_buffer_ms)
         self.preempt_max_per_segment = int(sc.preempt_max_per_segment)
         self._tracked: dict[str, _Tracked] = {}
@@ -147,6 +154,7 @@ class EngineScheduler:
             metrics = getattr(server, "metrics", None)
             if metrics is not None:
                 sched.on_preempt = metrics.preemptions.inc
+                sched.on_requeue = metrics.requeues.inc
             _REGISTRY[server] = sched
         return sched
 
@@ -372,6 +380,28 @@ class EngineScheduler:
             log.exception("preemption of %s failed", key)
         finally:
             self._preempting.discard(key)
+
+    # ---- re-evaluation ---------------------------------------------------------------------
+
+    def reprioritize(self, key: str, priority: int) -> None:
+        """The session re-evaluated ``key``'s deadline (``Reprioritize``): resubmit it at
+        ``priority`` if it still waits in the engine for a slot (the engine checks, atomically).
+        Held segments get their priority when dispatched anyway."""
+        if not self.requeue_enabled or (self.dispatcher is not None and self.dispatcher.is_held(key)):
+            return
+        task = asyncio.create_task(self._requeue(key, priority), name=f"requeue {key}")
+        self._requeue_tasks.add(task)
+        task.add_done_callback(self._requeue_tasks.discard)
+
+    async def _requeue(self, key: str, priority: int) -> None:
+        try:
+            if await self.engine.reprioritize(key, priority):  # type: ignore[attr-defined]
+                self.requeued += 1
+                if self.on_requeue is not None:
+                    self.on_requeue(1)
+                log.debug("requeued %s at priority %d", key, priority)
+        except Exception:
+            log.exception("requeue of %s failed", key)
 
     def _pump(self) -> None:
         d = self.dispatcher

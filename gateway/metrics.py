@@ -62,6 +62,11 @@ class GatewayMetrics:
             "Continuing segments preempted (paused in the engine, resumed later) to start first "
             "segments sooner or to resume a stream about to run dry (scheduler.preempt)", registry=r,
         )
+        self.requeues = Counter(
+            "voicegw_requeues_total",
+            "Continuing segments waiting for a batch slot resubmitted at an earlier priority once "
+            "their predecessor's audio was known (scheduler.requeue_waiting)", registry=r,
+        )
         self.engine_running = Gauge(
             "voicegw_engine_running_requests", "Engine requests running (engine health)", registry=r
         )

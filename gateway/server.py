@@ -52,6 +52,7 @@ from gateway.session import (
     Action,
     Close,
     EngineFailure,
+    Reprioritize,
     SendAudio,
     SendMessage,
     Session,
@@ -386,14 +387,11 @@ class _Connection:
         self.loop = asyncio.get_running_loop()
         self.sched = EngineScheduler.for_server(server)
         self._base_priority: PriorityFn = server.priority_fn or default_priority_fn(server.settings.scheduler)
-        self._submits: deque[float] = deque(maxlen=64)
-        """client_buffered_ms of the segments the session submitted in the current event, in
-        order (one ``StartStream`` per priority call, carried out right after the event)."""
         self.session = Session(
             secrets.token_hex(6),
             server.settings,
             self.loop.time(),
-            priority_fn=self._priority,
+            priority_fn=self._base_priority,
             observer=server.metrics.observer(),
         )
         self.log = self.session.log
@@ -513,7 +511,6 @@ class _Connection:
             self.log.exception("session core failed")
             actions = self.session.on_internal_error(self.loop.time())
         self._apply(actions)
-        self._submits.clear()  # all of this event's StartStreams are carried out
 
     def _apply(self, actions: list[Action]) -> None:
         for a in actions:
@@ -524,9 +521,12 @@ class _Connection:
             elif isinstance(a, SendMessage):
                 self._enqueue(_Out(P.encode(a.message), True))
             elif isinstance(a, StartStream):
-                self._start_stream(a.request)
+                self._start_stream(a.request, a.in_hand_ms)
             elif isinstance(a, AbortStream):
                 self._abort_stream(a)
+            elif isinstance(a, Reprioritize):
+                if a.request_id in self.runners:
+                    self.sched.reprioritize(a.request_id, a.priority)
             elif isinstance(a, Close):
                 if self.close_req is None:
                     self.close_req = a
@@ -581,20 +581,13 @@ class _Connection:
 
     # ---- engine streams -----------------------------------------------------------------
 
-    def _priority(self, first_in_utterance: bool, client_buffered_ms: float) -> int:
-        """The session's priority function: the server's, noting what the session knows about
-        the segment it is submitting (``_start_stream`` follows synchronously)."""
-        self._submits.append(client_buffered_ms)
-        return int(self._base_priority(first_in_utterance, client_buffered_ms))
-
     def _client_buffered_ms(self) -> float:
         """Audio the client has ahead of its playhead now (ms; preemption)."""
         return float(self.session.flow.ahead_ms(self.loop.time()))
 
-    def _start_stream(self, request: SpeechRequest) -> None:
+    def _start_stream(self, request: SpeechRequest, buffered_ms: float = 0.0) -> None:
         rid = request.request_id
         first = rid.endswith("-0")  # the session names requests <session>-<utterance>-<segment>
-        buffered_ms = self._submits.popleft() if self._submits else 0.0
         refusal: AdmissionDecision | None = None
         if first:
             decision = self.sched.admit()

@@ -100,6 +100,10 @@ class TtfaParts:
 @dataclass(frozen=True)
 class StartStream:
     request: SpeechRequest
+    in_hand_ms: float = 0.0
+    """Audio the session had in hand when it submitted the segment (ahead of the client's
+    playhead plus held here; not the estimate of audio still generating): the runway that
+    gateway-side dispatch credits with the audio that arrives later."""
 
 
 @dataclass(frozen=True)
@@ -130,7 +134,16 @@ class Close:
     reason: P.CloseReason
 
 
-Action = StartStream | AbortStream | SendMessage | SendAudio | Close
+@dataclass(frozen=True)
+class Reprioritize:
+    """A segment still waiting for its first audio should have this engine priority
+    (``scheduler.requeue_waiting``); the engine resubmits it if it can, else nothing happens."""
+
+    request_id: str
+    priority: int
+
+
+Action = StartStream | AbortStream | Reprioritize | SendMessage | SendAudio | Close
 
 
 class EngineFailure(enum.Enum):
@@ -206,6 +219,8 @@ class _Stream:
     held: bytearray = field(default_factory=bytearray)
     held_samples: int = 0
     generating: bool = True
+    priority: int = 0
+    """Engine priority it was submitted (or last reprioritized) with."""
 
     @property
     def request_id(self) -> str:
@@ -344,8 +359,7 @@ class Session:
             if s.utt.t_first_chunk is None:
                 s.utt.t_first_chunk = now_s
         if chunk.finished:
-            s.generating = False
-            s.seg.finished = True
+            self._generated_all(now_s, s, out)
         self._step(now_s, out)
         return out
 
@@ -355,10 +369,29 @@ class Session:
         s = self._by_id.get(request_id)
         if self.closed or s is None or not s.generating:
             return out
-        s.generating = False
-        s.seg.finished = True
+        self._generated_all(now_s, s, out)
         self._step(now_s, out)
         return out
+
+    def _generated_all(self, now_s: float, s: _Stream, out: list[Action]) -> None:
+        """``s`` produced all its audio. Its successors' deadlines counted an estimate of it; now
+        the audio in hand is exact: a successor still waiting for its first audio whose deadline
+        is earlier than its priority says is reprioritized (``scheduler.requeue_waiting``)."""
+        s.generating = False
+        s.seg.finished = True
+        if not self.settings.scheduler.requeue_waiting:
+            return
+        in_hand = self._flow.ahead(now_s)
+        ahead_expected = 0
+        for t in self._streams:
+            in_hand += t.held_samples
+            if t.generating and t.seg.generated == 0 and t.seg.index > 0:
+                runway_ms = (in_hand + ahead_expected) * 1000.0 / self.rate_hz
+                priority = int(self._priority_fn(False, runway_ms))
+                if priority < t.priority:
+                    t.priority = priority
+                    out.append(Reprioritize(t.request_id, priority))
+            ahead_expected += self._expected_rest(t)
 
     def on_engine_error(self, now_s: float, request_id: str, failure: EngineFailure,
                         retry_after_ms: float | None = None) -> list[Action]:
@@ -714,11 +747,12 @@ class Session:
     def _submit(self, now_s: float, utt: _Utterance, text: str, out: list[Action]) -> None:
         index = len(utt.segments)
         first = index == 0
-        priority = int(self._priority_fn(first, self._runway_samples(now_s) * 1000.0 / self.rate_hz))
+        in_hand = self._flow.ahead(now_s) + sum(s.held_samples for s in self._streams)
+        priority = int(self._priority_fn(first, (in_hand + sum(map(self._expected_rest, self._streams))) * 1000.0 / self.rate_hz))
         request_id = f"{self.id}-{utt.id}-{index}"
         seg = _Segment(index=index, text=text, units=text_units(text), request_id=request_id)
         utt.segments.append(seg)
-        stream = _Stream(utt=utt, seg=seg)
+        stream = _Stream(utt=utt, seg=seg, priority=priority)
         self._streams.append(stream)
         self._by_id[request_id] = stream
         if first:
@@ -735,18 +769,15 @@ class Session:
             params=self._params,
             priority=priority,
             sample_rate_hz=self.rate_hz,
-        )))
+        ), in_hand_ms=in_hand * 1000.0 / self.rate_hz))
 
-    def _runway_samples(self, now_s: float) -> int:
-        """Audio that plays before a segment submitted now: ahead of the client's playhead, held
-        here, and (``scheduler.runway_counts_generating``) still expected from the segments
-        generating ahead of it (their text's estimated duration less what they produced)."""
-        runway = self._flow.ahead(now_s) + sum(s.held_samples for s in self._streams)
-        if self.settings.scheduler.runway_counts_generating:
-            per_unit = self.settings.est_ms_per_unit * self.rate_hz / 1000.0
-            runway += sum(max(0, int(s.seg.units * per_unit) - s.seg.generated)
-                          for s in self._streams if s.generating)
-        return runway
+    def _expected_rest(self, s: _Stream) -> int:
+        """Audio still expected from ``s`` if it is generating (its text's estimated duration less
+        what it produced; ``scheduler.runway_counts_generating``, else 0): with the audio in
+        hand, it plays before any later segment of the session."""
+        if not s.generating or not self.settings.scheduler.runway_counts_generating:
+            return 0
+        return max(0, int(s.seg.units * self.settings.est_ms_per_unit * self.rate_hz / 1000.0) - s.seg.generated)
 
     def _mark_ready(self, now_s: float) -> None:
         """Note when an utterance's first segment could go out but waits for the pipeline."""

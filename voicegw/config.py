@@ -216,6 +216,13 @@ class SchedulerConfig:
     preempt_rescue_queued: bool = False
     """Preemption: rescue any continuing segment waiting for a slot, not only preempted ones
     (earliest deadline first across running and waiting streams, a re-prefill per swap)."""
+    requeue_waiting: bool = False
+    """Re-evaluation (``engine.scheduling_policy = "priority"``, an engine that can resubmit:
+    vLLM): when a segment stops generating, the next segment of its session that still waits
+    for a batch slot (nothing produced yet) gets its deadline again, now from the audio really
+    in hand; if that is earlier than its priority says (its predecessor came out shorter than
+    its text predicted) the engine request is aborted and submitted again at the earlier
+    priority (cheap: a waiting request holds no KV)."""
 
 
 @dataclass(frozen=True)

@@ -120,3 +120,30 @@ async def test_abort_during_resumed_segment(speech: Any) -> None:
     assert sum(c.steps for c in chunks) <= FRAMES
     assert speech.health().running_requests == 0
     assert speech.preemptions(rid) is None  # forgotten once the stream is closed
+
+
+
+async def test_requeue_right_after_submission_gives_the_same_codes(speech: Any) -> None:
+    """``reprioritize`` on the real engine: called as soon as the segment's code request is
+    submitted (before its first frame, as a rule), it restarts the request; frames that raced in
+    become the prefix. Either way the codes and audio equal an uninterrupted run."""
+    import asyncio
+
+    target = asyncio.create_task(_pcm(speech, "rq-target"))
+    for _ in range(3000):
+        if speech.submitted("rq-target"):
+            break
+        await asyncio.sleep(0.001)
+    waiting = speech.awaiting_slot("rq-target")
+    requeued = await speech.reprioritize("rq-target", -5)
+    assert requeued or not waiting
+    codes = speech._codes["rq-target"]
+    got, steps, _ = await target
+    assert codes.requeues == int(requeued) and codes.preemptions == 0
+    want, _, _ = await _pcm(speech, "rq-ref")
+    assert steps == FRAMES
+    np.testing.assert_array_equal(_codes("rq-target"), _codes("rq-ref"))
+    _assert_same_pcm(got, want)
+    assert not await speech.reprioritize("rq-ref", 1), "a finished segment is not requeued"
+    assert not await speech.reprioritize("no-such-segment", 1)
+    assert speech.health().running_requests == 0

@@ -250,3 +250,37 @@ async def test_first_segment_preempts_only_after_waiting_for_a_slot() -> None:
     assert [k for k, _ in eng.calls] == ["a-1-1"]
     for key in ("a-1-1", "b-1-1", "g-1-0"):
         s.release(key)
+
+
+async def test_reprioritize_resubmits_through_the_engine_only_when_enabled() -> None:
+    class RequeueStub(StubEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.requeued: list[tuple[str, int]] = []
+
+        async def reprioritize(self, key: str, priority: int) -> bool:
+            self.requeued.append((key, priority))
+            return key != "gone-1-1"
+
+    def make(requeue: bool, preempt: bool = False, policy: str = "priority") -> tuple[RequeueStub, EngineScheduler]:
+        eng = RequeueStub()
+        cfg = Config(engine=EngineConfig(max_num_seqs=2, scheduling_policy=policy),
+                     scheduler=replace(SchedulerConfig(), requeue_waiting=requeue, preempt=preempt, admission=False))
+        return eng, EngineScheduler(cfg, eng)
+
+    eng, s = make(True)
+    assert s.requeue_enabled and not s.preempt_enabled
+    counted: list[int] = []
+    s.on_requeue = counted.append
+    s.reprioritize("a-1-1", 3)
+    s.reprioritize("gone-1-1", 4)  # the engine says it is not waiting any more
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert eng.requeued == [("a-1-1", 3), ("gone-1-1", 4)]
+    assert s.requeued == 1 and counted == [1]
+    for requeue, policy in ((False, "priority"), (True, "fcfs")):
+        eng, s = make(requeue, policy=policy)
+        assert not s.requeue_enabled
+        s.reprioritize("a-1-1", 3)
+        await asyncio.sleep(0)
+        assert eng.requeued == []
