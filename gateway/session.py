@@ -748,7 +748,8 @@ class Session:
         index = len(utt.segments)
         first = index == 0
         in_hand = self._flow.ahead(now_s) + sum(s.held_samples for s in self._streams)
-        priority = int(self._priority_fn(first, (in_hand + sum(map(self._expected_rest, self._streams))) * 1000.0 / self.rate_hz))
+        runway = in_hand + sum(map(self._expected_rest, self._streams))
+        priority = int(self._priority_fn(first, runway * 1000.0 / self.rate_hz))
         request_id = f"{self.id}-{utt.id}-{index}"
         seg = _Segment(index=index, text=text, units=text_units(text), request_id=request_id)
         utt.segments.append(seg)
