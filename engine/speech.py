@@ -388,7 +388,7 @@ class ResumableCodes:
         self.request = request
         self.rid = request.request_id
         self.engine_rid = request.request_id
-        """Request id of the code request now running (``<id>.p<n>`` after ``n`` preemptions)."""
+        """Request id of the code request now running (``<id>.p<n>`` after ``n`` preemptions and requeues)."""
         self.preemptions = 0
         self.requeues = 0
         """Times the request was resubmitted while waiting for a slot (``requeue``)."""
