@@ -28,7 +28,7 @@ import asyncio
 import logging
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,7 +119,6 @@ class EngineScheduler:
         self.requeue_enabled = resumable and bool(sc.requeue_waiting)
         """``scheduler.requeue_waiting`` in effect: ``reprioritize`` resubmits waiting segments."""
         self.requeued = 0
-        self._requeue_tasks: set[asyncio.Task[None]] = set()
         self.on_requeue: Callable[[int], None] | None = None
         """Called with 1 for each waiting segment resubmitted at an earlier priority (metrics)."""
         self.preempt_min_buffer_ms = float(sc.preempt_min_buffer_ms)
@@ -128,7 +127,8 @@ class EngineScheduler:
         self._has_output: set[str] = set()
         self._covered: set[str] = set()
         """First segments a preemption was made for."""
-        self._preempt_tasks: set[asyncio.Task[None]] = set()
+        self._engine_tasks: set[asyncio.Task[None]] = set()
+        """Preemptions and requeues in flight (kept referenced until done)."""
         self._preempting: set[str] = set()
         """Segments whose preemption task has not finished yet."""
         self.preempted = 0
@@ -312,10 +312,10 @@ class EngineScheduler:
         preempted) pairs."""
         if self.rescue_ms <= 0 or not callable(getattr(self.engine, "awaiting_slot", None)):
             return []
-        if now_s is None:
-            now_s = asyncio.get_running_loop().time()
-            self._note_waiting(now_s)
         now = now_s
+        if now is None:
+            now = asyncio.get_running_loop().time()
+            self._note_waiting(now)
         preemptions = getattr(self.engine, "preemptions", None)
         can_preempt = getattr(self.engine, "can_preempt", None)
         waiting: list[WaitingSegment] = []
@@ -365,9 +365,7 @@ class EngineScheduler:
         t = self._tracked[key]
         prio = int(t.resume_priority(float(t.buffered_ms())))
         self._preempting.add(key)
-        task = asyncio.create_task(self._preempt(key, prio), name=f"preempt {key}")
-        self._preempt_tasks.add(task)
-        task.add_done_callback(self._preempt_tasks.discard)
+        self._spawn(self._preempt(key, prio), f"preempt {key}")
         if self.on_preempt is not None:
             self.on_preempt(1)
 
@@ -389,9 +387,12 @@ class EngineScheduler:
         Held segments get their priority when dispatched anyway."""
         if not self.requeue_enabled or (self.dispatcher is not None and self.dispatcher.is_held(key)):
             return
-        task = asyncio.create_task(self._requeue(key, priority), name=f"requeue {key}")
-        self._requeue_tasks.add(task)
-        task.add_done_callback(self._requeue_tasks.discard)
+        self._spawn(self._requeue(key, priority), f"requeue {key}")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._engine_tasks.add(task)
+        task.add_done_callback(self._engine_tasks.discard)
 
     async def _requeue(self, key: str, priority: int) -> None:
         try:
