@@ -1,7 +1,16 @@
-"""Code-engine benchmark: ChatTTS GPT on vLLM vs upstream chattts (the native pipeline).
+"""Code-engine benchmark: ChatTTS GPT on vLLM vs stock vLLM and upstream chattts.
 
 Full-size random weights (``make_checkpoint(size="full")``, cached), bursts of N concurrent
 requests of exactly ``--steps`` GPT steps each (EOS blocked), for each backend:
+
+* ``vllm``: the ChatTTS plugin (``VllmCodeEngine``);
+* ``stock``: the baseline, stock vLLM on a plain Llama of the GPT's shape (layers, hidden,
+  heads, MLP, positions) and the unified vocabulary, random weights in the plugin's dtype, the
+  same prompt token ids, steps and engine arguments, EOS blocked, vLLM's own sampler at the
+  same temperature: what vLLM costs per step without anything ChatTTS adds;
+* ``reference``: upstream chattts in-process (the native pipeline).
+
+Measured, per backend and concurrency:
 
 * TTFT p50/p99: request submitted -> first code frame;
 * steps/s per stream (p50): frames / (last frame - first frame) of each request;
@@ -20,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import statistics
 import sys
 import time
@@ -91,36 +102,155 @@ async def burst(engine: Any, backend: str, n: int, steps: int, text: str, temper
     return res
 
 
+def per_stream(r: RunResult) -> float:
+    return statistics.median(r.stream_steps_per_s) if r.stream_steps_per_s else float("nan")
+
+
+def ratios(results: list[RunResult], base: str) -> dict[int, dict[str, float]]:
+    """Per concurrency: vllm / ``base`` of TTFT p50, per-stream steps/s and aggregate steps/s."""
+    by = {(r.backend, r.concurrency): r for r in results}
+    out: dict[int, dict[str, float]] = {}
+    for c in sorted({r.concurrency for r in results}):
+        v, ref = by.get(("vllm", c)), by.get((base, c))
+        if v is None or ref is None:
+            continue
+        out[c] = {
+            "ttft_p50": pct(v.ttft_s, 50) / pct(ref.ttft_s, 50),
+            "per_stream": per_stream(v) / per_stream(ref),
+            "aggregate": v.aggregate / ref.aggregate if ref.aggregate else float("nan"),
+        }
+    return out
+
+
+def summary(results: list[RunResult], starts: dict[str, float], args: argparse.Namespace) -> dict[str, Any]:
+    """Every figure of the run, for ``--json-out`` (and bench/results/gpu-latest.json)."""
+    return {
+        "steps": args.steps, "temperature": args.temperature, "device": args.device,
+        "compile": bool(args.compile), "async_scheduling": bool(args.async_scheduling),
+        "runs": [
+            {"backend": r.backend, "concurrency": r.concurrency, "ttft_p50_ms": pct(r.ttft_s, 50) * 1e3,
+             "ttft_p99_ms": pct(r.ttft_s, 99) * 1e3, "steps_per_s_per_stream": per_stream(r),
+             "aggregate_steps_per_s": r.aggregate, "unfinished": r.unfinished}
+            for r in results
+        ],
+        "ratio_vs_stock": {str(c): v for c, v in ratios(results, "stock").items()},
+        "ratio_vs_reference": {str(c): v for c, v in ratios(results, "reference").items()},
+        "start_s": starts,
+    }
+
+
 def table(results: list[RunResult], starts: dict[str, float]) -> str:
     lines = [
         f"{'backend':<18} {'conc':>4} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'steps/s/stream':>15} "
         f"{'x real time':>11} {'aggregate steps/s':>18} {'unfinished':>10}",
     ]
     for r in results:
-        per = statistics.median(r.stream_steps_per_s) if r.stream_steps_per_s else float("nan")
+        per = per_stream(r)
         lines.append(
             f"{r.backend:<18} {r.concurrency:>4} {pct(r.ttft_s, 50) * 1e3:>12.0f} {pct(r.ttft_s, 99) * 1e3:>12.0f} "
             f"{per:>15.1f} {per / REAL_TIME_STEPS_PER_S:>11.2f} {r.aggregate:>18.1f} {r.unfinished:>10}"
         )
-    by = {(r.backend, r.concurrency): r for r in results}
-    conc = sorted({r.concurrency for r in results})
-    if any(b == "vllm" for b, _ in by) and any(b == "reference" for b, _ in by):
+    for base in ("stock", "reference"):
+        rows = ratios(results, base)
+        if not rows:
+            continue
         lines.append("")
-        lines.append(f"{'ratio vllm/reference':<22} {'conc':>4} {'TTFT p50':>10} {'steps/s/stream':>15} {'aggregate':>10}")
-        for c in conc:
-            v, ref = by.get(("vllm", c)), by.get(("reference", c))
-            if v is None or ref is None:
-                continue
-            vs = statistics.median(v.stream_steps_per_s) if v.stream_steps_per_s else float("nan")
-            rs = statistics.median(ref.stream_steps_per_s) if ref.stream_steps_per_s else float("nan")
+        lines.append(f"{'ratio vllm/' + base:<22} {'conc':>4} {'TTFT p50':>10} {'steps/s/stream':>15} {'aggregate':>10}")
+        for c, row in sorted(rows.items()):
             lines.append(
-                f"{'':<22} {c:>4} {pct(v.ttft_s, 50) / pct(ref.ttft_s, 50):>10.2f} {vs / rs:>15.2f} "
-                f"{v.aggregate / ref.aggregate if ref.aggregate else float('nan'):>10.2f}"
+                f"{'':<22} {c:>4} {row['ttft_p50']:>10.2f} {row['per_stream']:>15.2f} {row['aggregate']:>10.2f}"
             )
     if starts:
         lines.append("")
         lines.append("start-up: " + ", ".join(f"{k} {v:.1f} s" for k, v in starts.items()))
     return "\n".join(lines)
+
+
+class StockEngine:
+    """Stock vLLM ``AsyncLLM`` on a Llama of the ChatTTS GPT's shape (the baseline)."""
+
+    name = "stock-vllm"
+
+    def __init__(self, model_dir: Path, cfg: Any, *, async_scheduling: bool | None) -> None:
+        from engine.prompt import PromptBuilder
+
+        self.model_dir = model_dir
+        self.cfg = cfg
+        self.prompts = PromptBuilder(model_dir)
+        self.async_scheduling = async_scheduling
+        self.llm: Any = None
+
+    def llama_dir(self) -> Path:
+        """A random-weight ``LlamaForCausalLM`` with the GPT's shape (written once, cached)."""
+        import json
+
+        gpt = json.loads((self.model_dir / "asset" / "gpt" / "config.json").read_text())
+        info = self.prompts.info
+        out = self.model_dir.parent / f"{self.model_dir.name}-stock-llama"
+        if (out / "config.json").exists():
+            return out
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        lc = LlamaConfig(
+            hidden_size=int(gpt["hidden_size"]), intermediate_size=int(gpt["intermediate_size"]),
+            num_attention_heads=int(gpt["num_attention_heads"]),
+            num_key_value_heads=int(gpt.get("num_key_value_heads") or gpt["num_attention_heads"]),
+            num_hidden_layers=int(gpt["num_hidden_layers"]), max_position_embeddings=info.max_positions,
+            rms_norm_eps=float(gpt.get("rms_norm_eps", 1e-6)), rope_theta=float(gpt.get("rope_theta", 1e4)),  # type: ignore[call-arg]
+            vocab_size=info.unified_vocab_size, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        )
+        LlamaForCausalLM(lc).save_pretrained(str(out), safe_serialization=True)
+        return out
+
+    async def start(self) -> None:
+        from engine.vllm._env import child_env, prepare
+
+        prepare()
+        os.environ.update(child_env())  # vLLM's model-inspection subprocess needs the boot shim
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        device = "cpu" if self.cfg.device == "cpu" else "cuda"
+        dtype = "float32" if device == "cpu" else "bfloat16"
+        args: dict[str, Any] = dict(
+            model=str(self.llama_dir()), skip_tokenizer_init=True, dtype=dtype,
+            max_model_len=self.cfg.max_model_len, max_num_seqs=self.cfg.max_num_seqs,
+            max_num_batched_tokens=self.cfg.max_num_batched_tokens, enable_prefix_caching=True,
+            enforce_eager=self.cfg.enforce_eager, generation_config="vllm", disable_log_stats=True, seed=0,
+        )
+        if device == "cpu":
+            args["kv_cache_memory_bytes"] = int(self.cfg.kv_cache_gib * 2**30)
+        else:
+            args["gpu_memory_utilization"] = self.cfg.gpu_memory_utilization
+            args["async_scheduling"] = self.async_scheduling
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # as the plugin runs
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**args))
+
+    async def generate(self, request: Any) -> Any:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        from engine.api import CodeFrames
+
+        p = request.params
+        ids = self.prompts.code_prompt_ids(request.text, True)
+        sp = VSamplingParams(
+            max_tokens=p.max_new_tokens, ignore_eos=True, temperature=p.temperature,
+            output_kind=RequestOutputKind.DELTA, detokenize=False,
+        )
+        import numpy as np
+
+        async for out in self.llm.generate({"prompt_token_ids": ids}, sp, request.request_id):
+            n = len(out.outputs[0].token_ids)
+            yield CodeFrames(request.request_id, np.zeros((n, 4), np.int64), finished=bool(out.finished))
+
+    async def close(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
 
 
 def ensure_checkpoint(args: argparse.Namespace) -> Path:
@@ -150,10 +280,11 @@ async def run(args: argparse.Namespace, model_dir: Path) -> int:
         cfg = EngineConfig(
             backend=backend,
             device="cpu" if args.device == "cpu" else args.device,
-            max_num_seqs=max(concurrency),
+            max_num_seqs=args.max_num_seqs or max(concurrency),
             max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_gib=args.kv_gib,
             enforce_eager=not args.compile,
+            async_scheduling=args.async_scheduling,
             max_model_len=1024,
             cpu_reserved_cores=0,  # GPT alone: every core to the worker (figures in RESULTS.md)
         )
@@ -162,6 +293,8 @@ async def run(args: argparse.Namespace, model_dir: Path) -> int:
             from engine.vllm.engine import VllmCodeEngine
 
             eng: Any = VllmCodeEngine(model_dir, cfg)
+        elif backend == "stock":
+            eng = StockEngine(model_dir, cfg, async_scheduling=cfg.async_scheduling)
         elif backend == "reference":
             from engine.reference import ReferenceCodeEngine
 
@@ -170,8 +303,9 @@ async def run(args: argparse.Namespace, model_dir: Path) -> int:
             print(f"unknown backend {backend}", file=sys.stderr)
             return 2
         await eng.start()
-        if backend == "reference":  # first-use costs (allocator, kernels) off the clock
+        if backend != "vllm":  # first-use costs off the clock (the plugin warms itself at start)
             await burst(eng, backend, 1, 4, args.text, args.temperature, args.max_seconds)
+            await burst(eng, backend, 8, 4, args.text, args.temperature, args.max_seconds)
         starts[backend] = time.monotonic() - t
         print(f"{backend}: started in {starts[backend]:.1f} s", flush=True)
         try:
@@ -184,6 +318,8 @@ async def run(args: argparse.Namespace, model_dir: Path) -> int:
     print()
     print(f"steps per request: {args.steps}; text: {args.text!r}; temperature {args.temperature}")
     print(table(results, starts))
+    if args.json_out:
+        await asyncio.to_thread(Path(args.json_out).write_text, json.dumps(summary(results, starts, args), indent=1))
     return 0
 
 
@@ -193,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", default=str(Path.home() / ".cache" / "voicegw" / "bench-full-seed0"),
                     help="checkpoint directory (upstream layout); created with random weights if missing")
     ap.add_argument("--size", default="full", choices=["full", "tiny"], help="size of a generated checkpoint")
-    ap.add_argument("--backends", default="vllm,reference", help="comma list: vllm, reference")
+    ap.add_argument("--backends", default="vllm,stock", help="comma list: vllm, stock, reference")
     ap.add_argument("--concurrency", default="1,8,32", help="comma list of burst sizes")
     ap.add_argument("--steps", type=int, default=64, help="GPT steps per request (EOS blocked)")
     ap.add_argument("--temperature", type=float, default=0.3, help="sampling temperature (0 = greedy)")
@@ -203,7 +339,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="vLLM token budget per step")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     ap.add_argument("--compile", action="store_true", help="vLLM without enforce_eager (torch.compile / CUDA graphs)")
+    ap.add_argument("--async-scheduling", type=int, default=None,
+                    help="vLLM async scheduling on GPU: 1 / 0 (default: on for cuda); ignored on CPU")
+    ap.add_argument("--max-num-seqs", type=int, default=0, help="vLLM max_num_seqs (default: the largest burst)")
+    ap.add_argument("--json-out", default="", help="write every figure here (JSON)")
     args = ap.parse_args(argv)
+    if args.async_scheduling is None:
+        args.async_scheduling = args.device != "cpu"
+    else:
+        args.async_scheduling = bool(args.async_scheduling)
     return asyncio.run(run(args, ensure_checkpoint(args)))
 
 

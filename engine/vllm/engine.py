@@ -4,11 +4,11 @@ Per request: our own prompt ids (``skip_tokenizer_init``), the speaker vector an
 sampling parameters in ``SamplingParams.extra_args`` (read in the worker by
 :class:`engine.vllm.logits.ChatTTSLogitsProcessor`), ``cache_salt`` per speaker, ``priority``.
 
-Side channel for codebooks 1..3: vLLM's own logprobs. The model writes a marker logit at the
-code it sampled in each side codebook's id range; vLLM returns the top ``num_vq - 1``
-logprobs of each step from the logits *before* logits processors, so every returned token
-(codebook 0) arrives together with its three side codes, in the same ``RequestOutput``,
-through preemption and recompute alike. No extra process, socket or queue.
+Codebooks 1..3 reach this process through the frame table of :mod:`engine.vllm.channel`:
+every request holds a slot of it for its life; vLLM's token ``k`` (codebook 0) tells which
+entry to read, and the entry names its generation and codebook 0, so a stale entry is never
+taken for the request's own. vLLM samples greedily from a one-hot row (the model samples all
+four codebooks itself) and computes no logprobs.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -39,6 +40,7 @@ from engine.api import (
 from engine.prompt import CodeModelInfo, PromptBuilder
 from engine.speaker import ResolvedSpeaker, SpeakerError, resolve_speaker
 from engine.vllm._env import child_env, prepare
+from engine.vllm.channel import ENV_KEY, FrameTable
 from engine.vllm.state import EXTRA_KEY, RequestParams
 from voicegw.config import EngineConfig
 
@@ -46,6 +48,9 @@ _log = logging.getLogger(__name__)
 
 #: Most per-request stats kept for inspection (``request_stats``).
 _STATS_KEPT = 1024
+#: How long a token's frame-table entry may stay unreadable before the request fails (it is
+#: written before vLLM copies the token out, so a miss means a broken channel, not a race).
+_FRAME_WAIT_S = 2.0
 
 
 @dataclasses.dataclass
@@ -103,6 +108,7 @@ class VllmCodeEngine:
         self.device = _detect_device(cfg)
         self.start_seconds: float | None = None
         self.start_breakdown: dict[str, float] = {}
+        self._table: FrameTable | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -131,7 +137,6 @@ class VllmCodeEngine:
             enforce_eager=self.cfg.enforce_eager,
             logits_processors=[logits_processor_fqcn()],
             worker_extension_cls="engine.vllm.worker_ext.ChatTTSWorkerExtension",
-            max_logprobs=max(20, info.num_vq - 1),
             generation_config="vllm",
             disable_log_stats=True,
             seed=0,
@@ -153,10 +158,8 @@ class VllmCodeEngine:
             if self._kv_cache_bytes:
                 args["kv_cache_memory_bytes"] = self._kv_cache_bytes
             args["async_scheduling"] = self.cfg.async_scheduling
-            if not self.cfg.enforce_eager:
-                # Our forward builds the input embedding on the host side of the step (side
-                # codes, speaker): keep it outside CUDA graphs (the decoder stack is captured).
-                args["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+            # The step keeps all state on the device (no host reads): vLLM's default CUDA-graph
+            # mode (FULL for decode batches, PIECEWISE for mixed ones) applies.
         if self.cfg.data_parallel_size > 1:
             # vLLM's internal load balancing: one engine-core process per rank, requests routed
             # to the least loaded one (dense model: ranks step independently, no collective).
@@ -172,7 +175,14 @@ class VllmCodeEngine:
         if self._llm is not None:
             return
         t0 = time.monotonic()
-        env: dict[str, str | None] = {"VLLM_USE_V2_MODEL_RUNNER": "0", **child_env()}
+        if self._table is None:
+            # Outlives engine restarts: the new engine-core processes map it again.
+            self._table = FrameTable(self.frame_table_slots(), min(self.cfg.max_model_len, self.info.max_positions))
+        env: dict[str, str | None] = {
+            "VLLM_USE_V2_MODEL_RUNNER": "0",
+            ENV_KEY: self._table.spec.to_env(),
+            **child_env(),
+        }
         if self.device != "cpu" and importlib.util.find_spec("flashinfer") is None:
             env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         if self.device == "cpu" and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
@@ -244,11 +254,21 @@ class VllmCodeEngine:
         await one(1, 0.3, 1)
         await asyncio.gather(one(2, 0.0, 1), one(3, 0.3, None), one(4, 0.3, 2))
 
+    def frame_table_slots(self) -> int:
+        """Requests this engine holds at once (running and queued in vLLM); more wait here."""
+        return 4 * self.cfg.max_num_seqs + 64
+
     async def restart(self) -> None:
-        await self.close()
+        await self._shutdown()
         await self.start()
 
     async def close(self) -> None:
+        await self._shutdown()
+        if self._table is not None:
+            self._table.close()
+            self._table = None
+
+    async def _shutdown(self) -> None:
         llm, self._llm = self._llm, None
         if llm is None:
             return
@@ -282,8 +302,11 @@ class VllmCodeEngine:
             self._speakers.popitem(last=False)
         return spk
 
-    def build(self, request: SpeechRequest, *, side_codes: bool = True, cache_salt: bool = True) -> tuple[Any, Any]:
-        """(TokensPrompt, SamplingParams) for ``request``. Raises ``EngineError``.
+    def build(
+        self, request: SpeechRequest, slot: int = 0, gen: int = 1, *, side_codes: bool = True, cache_salt: bool = True
+    ) -> tuple[Any, Any]:
+        """(TokensPrompt, SamplingParams) for ``request`` in frame-table ``slot``/``gen``.
+        Raises ``EngineError``.
 
         ``side_codes=False`` and ``cache_salt=False`` are debug switches for negative controls
         (codebooks 1..3 left out of the input; no per-speaker prefix-cache salt)."""
@@ -318,8 +341,11 @@ class VllmCodeEngine:
                 )
             prefix = pre.tolist()
         k = 0 if prefix is None else len(prefix)
+        seed = p.seed if p.seed is not None else secrets.randbits(63)
         rp = RequestParams(
             key=request.request_id,
+            slot=slot,
+            gen=gen,
             temperature=float(p.temperature) if not greedy else 1.0,
             top_p=float(p.top_p),
             top_k=int(p.top_k),
@@ -328,7 +354,8 @@ class VllmCodeEngine:
             min_new=min(effective_min_new(p), max_new),
             max_new=max_new,
             greedy=greedy,
-            seed=p.seed,
+            # seeded rows: a stream of their own, distinct from the seed's other uses
+            seed=(int(seed) * 1_000_003 + 0x5EED) % (2**63) if p.seed is not None else int(seed),
             speaker=None if spk is None else [float(x) for x in spk.normalized],
             side_codes=side_codes,
             prefix=prefix,
@@ -336,13 +363,9 @@ class VllmCodeEngine:
         eos_id = self.info.num_text_tokens + self.info.eos_code
         sp = VSamplingParams(
             n=1,
-            temperature=0.0 if greedy else 1.0,
-            top_p=1.0,
-            top_k=0,
+            temperature=0.0,  # the model samples; vLLM takes the one-hot row's argmax
             max_tokens=max_new - k,
             stop_token_ids=[eos_id],
-            logprobs=self.info.num_vq - 1,
-            seed=p.seed,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
             extra_args={EXTRA_KEY: rp.to_extra()},
@@ -359,30 +382,33 @@ class VllmCodeEngine:
             prompt["cache_salt"] = salt
         return TokensPrompt(**prompt), sp  # type: ignore[typeddict-item]
 
-    def _frames(self, token_ids: list[int], logprobs: Any) -> tuple[np.ndarray, bool]:
-        """Delta tokens + their logprob dicts -> (codes ``[n, num_vq]`` without EOS, saw_eos)."""
+    async def _frames(self, slot: int, gen: int, k0: int, token_ids: list[int]) -> tuple[np.ndarray, bool]:
+        """Delta tokens (frames ``k0..``) -> (codes ``[n, num_vq]`` without EOS, saw_eos)."""
         info = self.info
-        t, a = info.num_text_tokens, info.num_audio_tokens
-        rows: list[list[int]] = []
-        saw_eos = False
-        for j, tok in enumerate(token_ids):
-            c0 = tok - t
-            if not 0 <= c0 < a:
-                raise EngineError(f"vLLM sampled id {tok} outside codebook 0", EngineErrorKind.RECOVERABLE)
-            row = [c0] + [-1] * (info.num_vq - 1)
-            lp = logprobs[j] if logprobs is not None and j < len(logprobs) else None
-            if lp:
-                for tid in lp:
-                    book, code = divmod(int(tid) - t, a)
-                    if 1 <= book < info.num_vq:
-                        row[book] = code
-            if c0 == info.eos_code or info.eos_code in row:
-                saw_eos = True
+        tok = np.asarray(token_ids, dtype=np.int64) - info.num_text_tokens
+        if tok.size and (tok.min() < 0 or tok.max() >= info.num_audio_tokens):
+            raise EngineError("vLLM sampled an id outside codebook 0", EngineErrorKind.RECOVERABLE)
+        eos = np.nonzero(tok == info.eos_code)[0]
+        saw_eos = bool(eos.size)
+        if saw_eos:
+            tok = tok[: int(eos[0])]
+        if not tok.size:
+            return np.zeros((0, info.num_vq), dtype=np.int64), saw_eos
+        table = self._table
+        assert table is not None
+        deadline = None
+        while True:
+            codes = table.read(slot, gen, k0, tok)
+            if codes is not None:
                 break
-            if min(row) < 0:
-                raise EngineError("side codes missing from vLLM output", EngineErrorKind.RECOVERABLE)
-            rows.append(row)
-        codes = np.asarray(rows, dtype=np.int64).reshape(-1, info.num_vq)
+            now = time.monotonic()
+            deadline = deadline or now + _FRAME_WAIT_S
+            if now > deadline:
+                raise EngineError("side codes missing from the frame table", EngineErrorKind.RECOVERABLE)
+            await asyncio.sleep(0.0005)
+        eos_rows = np.nonzero((codes == info.eos_code).any(axis=1))[0]
+        if eos_rows.size:  # a side codebook drew EOS (codebook 0 is forced to it, so unseen here)
+            codes, saw_eos = codes[: int(eos_rows[0])], True
         return codes, saw_eos
 
     async def generate(
@@ -394,14 +420,27 @@ class VllmCodeEngine:
             raise EngineError(self._dead or "engine not started", EngineErrorKind.UNRECOVERABLE)
         if request.request_id in self._live:
             raise EngineError(f"duplicate request id {request.request_id}", EngineErrorKind.RECOVERABLE)
-        prompt, sp = self.build(request, side_codes=side_codes, cache_salt=cache_salt)
+        table = self._table
+        assert table is not None
         from vllm.v1.engine.exceptions import EngineDeadError
 
         live = _Live()
         rid = request.request_id
         self._live[rid] = live
+        try:
+            slot, gen = await table.acquire()
+        except BaseException:
+            self._live.pop(rid, None)
+            raise
+        try:
+            prompt, sp = self.build(request, slot, gen, side_codes=side_codes, cache_salt=cache_salt)
+        except BaseException:
+            self._live.pop(rid, None)
+            table.release(slot)
+            raise
+        k = 0 if request.prefix_codes is None else len(request.prefix_codes)
         t_submit = time.monotonic()
-        stats: dict[str, Any] = {"prompt_tokens": len(prompt["prompt_token_ids"]), "steps": 0}
+        stats: dict[str, Any] = {"prompt_tokens": len(prompt["prompt_token_ids"]), "steps": 0, "slot": slot}
         kwargs: dict[str, Any] = {}
         if self.cfg.scheduling_policy == "priority":
             kwargs["priority"] = int(request.priority)  # vLLM refuses priorities under fcfs
@@ -410,7 +449,8 @@ class VllmCodeEngine:
         try:
             async for out in stream:
                 comp = out.outputs[0]
-                codes, saw_eos = self._frames(list(comp.token_ids), comp.logprobs)
+                codes, saw_eos = await self._frames(slot, gen, k, list(comp.token_ids))
+                k += len(comp.token_ids)
                 stats["steps"] += len(comp.token_ids)
                 if "ttft_s" not in stats and len(comp.token_ids):
                     stats["ttft_s"] = time.monotonic() - t_submit
@@ -454,7 +494,10 @@ class VllmCodeEngine:
             self._stats[rid] = stats
             while len(self._stats) > _STATS_KEPT:
                 self._stats.popitem(last=False)
-            await stream.aclose()  # aborts in vLLM when we stopped early
+            try:
+                await stream.aclose()  # aborts in vLLM when we stopped early
+            finally:
+                table.release(slot)
 
     async def abort(self, request_id: str) -> None:
         live = self._live.get(request_id)
@@ -483,6 +526,11 @@ class VllmCodeEngine:
         """Counters from the worker process (e.g. requests resumed after preemption)."""
         res = await self._llm.collective_rpc("voicegw_stats")
         return dict(res[0]) if res else {}
+
+    async def slot_frames(self, slot: int, n: int) -> np.ndarray:
+        """The first ``n`` frames the worker holds for ``slot`` (its device history; tests)."""
+        res = await self._llm.collective_rpc("voicegw_slot_frames", args=(slot, n))
+        return np.asarray(res[0], dtype=np.int64).reshape(-1, self.info.num_vq)
 
 
 def _vllm_version() -> str:

@@ -4,26 +4,30 @@ Unified vocabulary seen by vLLM (``V = T + 4 * A``, T = 21178 text ids, A = 626 
 
     [0, T)            text ids (prompt only; never sampled)
     [T, T + A)        codebook 0 codes  <- the only range vLLM samples
-    [T + A*i, ...)    codebook i codes, i = 1..3: markers for the codes the model sampled
+    [T + A*i, ...)    codebook i codes, i = 1..3 (kept for the vocabulary's shape; unused)
 
-Input embedding of a token: ``emb_text(id)`` for text ids; for a code id (frame ``k`` of the
-request, position ``prompt_len + k``) the sum of ``emb_code[i](code_i)`` over the four
-codebooks, codes 1..3 read from the request's state. At ``[spk_emb]`` the request's speaker
-vector replaces the embedding (upstream ``Speaker.apply``).
+All per-request state lives in device tensors indexed by the request's slot
+(:mod:`engine.vllm.state`); a step reads and writes it with whole-batch tensor ops only: no
+loop over rows, no copy to the host, so the step can be captured in a CUDA graph and vLLM's
+async scheduling overlaps the next step's host work with this one's kernels.
 
-``compute_logits`` runs the four weight-normed heads, applies upstream's sampling pipeline per
-request (:mod:`engine.vllm.sampling`), samples codebooks 1..3 itself, and hands vLLM the
-processed codebook-0 logits (vLLM's own temperature/top-p/top-k are left neutral). When a
-side codebook samples EOS, codebook 0 is forced to EOS so vLLM stops the request.
+Input embedding of a token (``forward``): ``emb_text(id)`` for text ids; for the code token of
+frame ``f`` (position ``prompt_len + f``) the sum of ``emb_code[i](code_i)`` over the four
+codebooks, read from the slot's history. At ``[spk_emb]`` the slot's speaker vector replaces
+the embedding (upstream ``Speaker.apply``).
+
+``compute_logits`` runs the four weight-normed heads and upstream's sampling pipeline for all
+four codebooks (:mod:`engine.vllm.sampling`), stores the frame (history + the shared frame
+table of :mod:`engine.vllm.channel`), and hands vLLM a one-hot row at codebook 0's code, which
+vLLM samples greedily. When any codebook samples EOS, codebook 0 is forced to EOS so vLLM
+stops the request.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
@@ -33,11 +37,9 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.llama import LlamaModel
 from vllm.model_executor.models.utils import PPMissingLayer
 
+from engine.vllm.channel import CODE_BITS, GEN_SHIFT
 from engine.vllm.sampling import RowParams, process_logits, sample_codes
-from engine.vllm.state import RequestState, registry
-
-#: Value written at the sampled code of codebooks 1..3 (far above any real logit).
-MARKER_LOGIT = 1.0e6
+from engine.vllm.state import MAX_WINDOW, DeviceState, device_state
 
 
 def _first_metadata(attn_metadata: Any) -> Any:
@@ -77,7 +79,8 @@ class ChatTTSForVllm(nn.Module):
         self.head_code = nn.Parameter(
             torch.empty(self.num_vq, self.n_audio, hidden, dtype=torch.float32), requires_grad=False
         )
-        self.registry = registry()
+        self._vllm_config = vllm_config
+        self._device_state: DeviceState | None = None
         self._max_tokens = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0)
         self._embeds_buf: torch.Tensor | None = None
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
@@ -117,58 +120,11 @@ class ChatTTSForVllm(nn.Module):
 
     get_input_embeddings = embed_input_ids  # name used by older vLLM releases
 
-    def _step_plan(
-        self, input_ids: torch.Tensor
-    ) -> tuple[np.ndarray | None, list[tuple[int, int, RequestState]], list[int]]:
-        """Side codes per token ``[n, num_vq-1]``, (token, row, state) speaker slots, sampling rows."""
-        reg = self.registry
-        rows_state = reg.active()
-        reg.step_rows = []
-        if not rows_state or all(s is None for s in rows_state):
-            return None, [], []
-        md = _first_metadata(get_forward_context().attn_metadata)
-        qsl_t = getattr(md, "query_start_loc", None)
-        seq_t = getattr(md, "seq_lens", None)
-        if qsl_t is None or seq_t is None:
-            raise RuntimeError("ChatTTSForVllm: attention metadata without query_start_loc/seq_lens")
-        num_reqs = len(rows_state)
-        qsl = qsl_t[: num_reqs + 1].tolist()
-        seq_lens = seq_t[:num_reqs].tolist()
-        n = int(input_ids.shape[0])
-        ids_host = input_ids[: qsl[-1]].cpu().numpy()
-        side = np.zeros((n, self.num_vq - 1), dtype=np.int64)
-        speakers: list[tuple[int, int, RequestState]] = []
-        sample_rows: list[int] = []
-        for row, st in enumerate(rows_state):
-            t0, t1 = qsl[row], qsl[row + 1]
-            if st is None or t1 <= t0:
-                continue
-            end_pos = int(seq_lens[row])
-            start_pos = end_pos - (t1 - t0)
-            pl = st.prompt_len
-            if start_pos < pl and st.params.speaker is not None:
-                # Upstream replaces the embedding wherever the prompt holds [spk_emb].
-                n_prompt = min(end_pos, pl) - start_pos
-                for off in np.nonzero(ids_host[t0 : t0 + n_prompt] == self.spk_emb_id)[0]:
-                    speakers.append((t0 + int(off), row, st))
-            if end_pos > pl:
-                c0 = max(start_pos, pl)
-                f0, f1 = c0 - pl, end_pos - pl
-                if f1 > st.n_frames:
-                    raise RuntimeError(
-                        f"ChatTTSForVllm: request {st.params.key} fed frame {f1 - 1} but only "
-                        f"{st.n_frames} frames were sampled"
-                    )
-                tok0 = t0 + (c0 - start_pos)
-                if f1 - f0 > 1:
-                    reg.stats["recomputed_frames"] += f1 - f0
-                st.codes[f0:f1, 0] = ids_host[tok0 : tok0 + (f1 - f0)] - self.n_text
-                if st.params.side_codes:
-                    side[tok0 : tok0 + (f1 - f0)] = st.codes[f0:f1, 1:]
-            if end_pos == pl + st.n_frames:
-                sample_rows.append(row)
-        reg.step_rows = sample_rows
-        return side, speakers, sample_rows
+    def _state(self, device: torch.device) -> DeviceState:
+        st = self._device_state
+        if st is None:
+            st = self._device_state = device_state(self._vllm_config, device)
+        return st
 
     def forward(
         self,
@@ -179,19 +135,16 @@ class ChatTTSForVllm(nn.Module):
         **kwargs: Any,
     ) -> torch.Tensor:
         if inputs_embeds is None:
-            inputs_embeds = self._stable(self._embed(input_ids))
-        t0 = time.perf_counter_ns()
-        out = self.model(None, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
-        self.registry.stats["decoder_ns"] += time.perf_counter_ns() - t0
-        return out
+            inputs_embeds = self._stable(self._embed(input_ids, positions))
+        return self.model(None, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
 
     def _stable(self, emb: torch.Tensor) -> torch.Tensor:
         """``emb`` copied into a persistent buffer (GPU): CUDA graphs replay from fixed addresses.
 
-        vLLM captures the compiled decoder's graphs with ``inputs_embeds`` at the addresses of the
-        capture run; a fresh tensor per step would make every replay read stale memory. The
-        buffer is allocated at the first forward (vLLM's profiling run, the largest batch) and
-        only grows (re-allocated) for a larger batch, which vLLM never replays from a graph.
+        Under PIECEWISE graphs vLLM captures the compiled decoder's graphs with ``inputs_embeds``
+        at the addresses of the capture run; a fresh tensor per step would make every replay
+        read stale memory. The buffer is allocated at the first forward (vLLM's profiling run,
+        the largest batch) and only grows for a larger batch, which vLLM never replays.
         """
         if emb.device.type != "cuda":
             return emb
@@ -204,95 +157,101 @@ class ChatTTSForVllm(nn.Module):
         out.copy_(emb)
         return out
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter_ns()
-        try:
-            return self._embed_inner(input_ids)
-        finally:
-            self.registry.stats["embed_ns"] += time.perf_counter_ns() - t0
+    def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The input embedding of a step, on the device, for every token of every row at once.
 
-    def _embed_inner(self, input_ids: torch.Tensor) -> torch.Tensor:
-        side_np, speakers, _ = self._step_plan(input_ids)
-        device = input_ids.device
-        is_text = input_ids < self.n_text
-        e_text = self.emb_text(input_ids.clamp(max=self.n_text - 1))
-        code0 = (input_ids - self.n_text).clamp(min=0, max=self.n_audio - 1)
-        parts = [self.emb_code[0](code0)]
-        if side_np is None:
-            side = torch.zeros((input_ids.shape[0], self.num_vq - 1), dtype=torch.long, device=device)
-        else:
-            side = torch.from_numpy(side_np).to(device, non_blocking=True)
-        for i in range(1, self.num_vq):
-            parts.append(self.emb_code[i](side[:, i - 1]))
+        A token's row comes from the attention metadata's ``query_start_loc`` (device), its
+        request's slot from the row -> slot map, its frame index from its position minus the
+        request's text prompt length. Text tokens embed with ``emb_text``; code tokens (frame
+        ``f``) with the sum of the four code embeddings of frame ``f`` from the slot's history
+        (recompute after preemption included); ``[spk_emb]`` with the slot's speaker vector.
+        Also marks the rows that sample this step (their step ends at their last known token).
+        """
+        st = self._state(input_ids.device)
+        n = int(input_ids.shape[0])
+        md = _first_metadata(get_forward_context().attn_metadata)
+        qsl = getattr(md, "query_start_loc", None)
+        if qsl is None:  # profiling / dummy runs without metadata: every token is text
+            emb = self.emb_text(input_ids.clamp(0, self.n_text - 1))
+            return emb.to(self.model_dtype)
+        qsl = qsl.to(torch.int64)
+        ends = qsl[1:]
+        rows = int(ends.shape[0])  # batch rows of the step (padded ones included)
+        tok = torch.arange(n, device=input_ids.device, dtype=torch.int64)
+        row = torch.searchsorted(ends, tok, right=True)
+        real = row < rows  # tokens past the last row's end are padding
+        rslot = st.row_slot[:rows]
+        slot = torch.where(real, rslot[row.clamp(max=rows - 1)], st.scratch)
+        pos = positions[:n].to(torch.int64)
+        frame = pos - st.prompt_len[slot]
+        is_code = frame >= 0
+        codes = st.codes[slot, frame.clamp(0, st.frames - 1)]  # [n, num_vq]
+        side = torch.where(st.side_on[slot].unsqueeze(-1), codes[:, 1:], torch.zeros_like(codes[:, 1:]))
+        parts = [self.emb_code[0](codes[:, 0])] + [self.emb_code[i](side[:, i - 1]) for i in range(1, self.num_vq)]
         # Same reduction as upstream (stack on a new last dim, then sum).
         e_code = torch.stack(parts, -1).sum(-1)
-        emb = torch.where(is_text.unsqueeze(-1), e_text, e_code)
-        for tok, _row, st in speakers:
-            if st.speaker is None:
-                assert st.params.speaker is not None
-                st.speaker = torch.tensor(st.params.speaker, dtype=torch.float32, device=device)
-            emb[tok] = st.speaker
+        e_text = self.emb_text(input_ids.clamp(0, self.n_text - 1))
+        emb = torch.where(is_code.unsqueeze(-1), e_code, e_text)
+        is_spk = (input_ids == self.spk_emb_id) & ~is_code & st.has_spk[slot]
+        emb = torch.where(is_spk.unsqueeze(-1), st.speaker[slot], emb)
+        # Rows that sample: the step ends at the request's last known token.
+        end_pos = pos[(ends - 1).clamp(0, n - 1)] + 1
+        samples = (ends > qsl[:-1]) & (end_pos - st.prompt_len[rslot] == st.n_frames[rslot]) & (rslot != st.scratch)
+        st.row_samples[:rows].copy_(samples)
+        st.counters[1] += (is_code & real & (frame < st.n_frames[slot] - 1)).sum()
         return emb.to(self.model_dtype)
 
     # ------------------------------------------------------------------ logits
 
     def compute_logits(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        t0 = time.perf_counter_ns()
-        try:
-            return self._compute_logits(hidden_states)
-        finally:
-            self.registry.stats["logits_ns"] += time.perf_counter_ns() - t0
-            self.registry.stats["steps"] += 1
+        """Upstream's sampling pipeline for all four codebooks, on the device, for every row.
 
-    def _compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        The four weight-normed heads -> temperature -> repetition penalty over the slot's last
+        ``window`` frames -> top-p -> top-k -> EOS blocked before ``min_new`` -> one draw per
+        codebook (:func:`engine.vllm.sampling.sample_codes`). A row that samples writes its
+        frame into its slot's history and into the shared frame table (codebooks 1..3 reach
+        the front end there) and counts one more frame. vLLM gets a one-hot row at codebook
+        0's code (EOS when any codebook drew EOS) and samples it greedily.
+        """
+        st = self._state(hidden_states.device)
         h = hidden_states.to(torch.float32)
-        rows = h.shape[0]
-        # [R, num_vq, A]: the four heads (weights computed once from weight norm at load).
+        rows = int(h.shape[0])
+        a = self.n_audio
         logits4 = torch.stack([F.linear(h, self.head_code[i]) for i in range(self.num_vq)], 1)
-        vocab = self.n_text + self.num_vq * self.n_audio
-        out = torch.full((rows, vocab), float("-inf"), dtype=torch.float32, device=h.device)
-        t, a = self.n_text, self.n_audio
-        out[:, t : t + a] = logits4[:, 0]
-        states = self.registry.active()
-        sample_rows = [r for r in self.registry.step_rows if r < rows and r < len(states)]
-        self.registry.step_rows = []
-        if not sample_rows:
-            return out
-        sts: list[RequestState] = [states[r] for r in sample_rows]  # type: ignore[misc]
-        dev = h.device
-        sel = torch.tensor(sample_rows, device=dev)
-        x = logits4[sel]
-        window = max(st.params.window for st in sts)
-        hist = np.full((len(sts), self.num_vq, max(window, 1)), -1, dtype=np.int64)
-        for j, st in enumerate(sts):
-            k, w = st.n_frames, st.params.window
-            lo = max(0, k - w)
-            if k > lo:
-                hist[j, :, : k - lo] = st.codes[lo:k].T
+        slot = st.row_slot[:rows]
+        samples = st.row_samples[:rows]
+        k = st.n_frames[slot]
+        w = MAX_WINDOW
+        j = torch.arange(w, device=h.device, dtype=torch.int64)
+        fidx = k.unsqueeze(1) - w + j  # [R, W]
+        valid = (fidx >= 0) & (j.unsqueeze(0) >= w - st.window[slot].unsqueeze(1))
+        hist = st.codes[slot.unsqueeze(1), fidx.clamp(min=0)]  # [R, W, num_vq]
+        hist = torch.where(valid.unsqueeze(-1), hist, torch.full_like(hist, -1)).transpose(1, 2)
+        greedy = st.greedy[slot]
         params = RowParams(
-            temperature=torch.tensor([st.params.temperature for st in sts], dtype=torch.float32, device=dev),
-            top_p=torch.tensor([st.params.top_p for st in sts], dtype=torch.float32, device=dev),
-            top_k=torch.tensor([st.params.top_k for st in sts], dtype=torch.int64, device=dev),
-            penalty=torch.tensor([st.params.penalty for st in sts], dtype=torch.float32, device=dev),
-            block_eos=torch.tensor([st.n_frames < st.params.min_new for st in sts], dtype=torch.bool, device=dev),
-            greedy=torch.tensor([st.params.greedy for st in sts], dtype=torch.bool, device=dev),
+            temperature=st.temperature[slot],
+            top_p=st.top_p[slot],
+            top_k=st.top_k[slot],
+            penalty=st.penalty[slot],
+            block_eos=k < st.min_new[slot],
+            greedy=greedy,
         )
-        processed = process_logits(x, torch.from_numpy(hist).to(dev), params, self.eos_code)
-        side = sample_codes(processed[:, 1:], [st.params.greedy for st in sts], [st.generator for st in sts])
-        side_eos = (side == self.eos_code).any(dim=1)
-        cb0 = processed[:, 0]
-        if bool(side_eos.any()):
-            forced = torch.full_like(cb0, float("-inf"))
-            forced[:, self.eos_code] = 0.0
-            cb0 = torch.where(side_eos.unsqueeze(-1), forced, cb0)
-        out[sel, t : t + a] = cb0
+        processed = process_logits(logits4, hist, params, self.eos_code)
+        codes = sample_codes(processed, greedy, st.seed[slot], k)  # [R, num_vq]
+        any_eos = (codes == self.eos_code).any(dim=1)
+        codes[:, 0] = torch.where(any_eos, torch.full_like(codes[:, 0], self.eos_code), codes[:, 0])
+        # Rows that do not sample write into the scratch slot (no masks on the host).
+        wslot = torch.where(samples, slot, torch.full_like(slot, st.scratch))
+        wk = k.clamp(max=st.frames - 1)
+        st.codes.index_put_((wslot, wk), codes)
+        packed = (st.gen[slot] << GEN_SHIFT) | codes[:, 0]
         for i in range(1, self.num_vq):
-            out[sel, t + i * a + side[:, i - 1]] = MARKER_LOGIT
-        side_host = side.cpu().numpy()
-        for j, st in enumerate(sts):
-            k = st.n_frames
-            if k < st.codes.shape[0]:
-                st.codes[k, 1:] = side_host[j]
-            st.n_frames = k + 1
-        self.registry.stats["sampled_frames"] += len(sts)
+            packed = packed | (codes[:, i] << (i * CODE_BITS))
+        st.table.index_put_((wslot, wk), packed)
+        st.n_frames.index_add_(0, wslot, samples.to(torch.int64))
+        st.counters[0] += samples.sum()
+        st.counters[2] += 1
+        vocab = self.n_text + self.num_vq * a
+        out = torch.full((rows, vocab), float("-inf"), dtype=torch.float32, device=h.device)
+        out.scatter_(1, (codes[:, :1] + self.n_text), 0.0)
         return out

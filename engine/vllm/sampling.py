@@ -9,7 +9,8 @@ argmax of the penalised, EOS-masked logits: temperature, top-p and top-k never m
 argmax.
 
 Everything here works on ``[rows, codebooks, codes]`` float32 tensors; the per-row
-parameters are 1-D tensors of length ``rows``.
+parameters are 1-D tensors of length ``rows``. No function here reads a device value on the
+host or loops over rows: the worker runs it inside the GPU step.
 """
 
 from __future__ import annotations
@@ -82,41 +83,57 @@ def process_logits(
 ) -> torch.Tensor:
     """Upstream's logits pipeline for ``logits`` ``[R, C, N]`` (float32). Returns new logits.
 
-    For greedy rows the result is only meaningful through its argmax.
+    For greedy rows the result is only meaningful through its argmax. Every stage runs for
+    every row (a penalty of 1.0 and an unblocked EOS leave the logits bit-identical), so the
+    step never asks the device which rows need it.
     """
     temp = torch.where(params.greedy, torch.ones_like(params.temperature), params.temperature)
     x = logits / temp.view(-1, 1, 1)
-    if bool((params.penalty != 1.0).any()):
-        x = apply_repetition_penalty(x, repetition_counts(history, logits.shape[-1]), params.penalty)
+    x = apply_repetition_penalty(x, repetition_counts(history, logits.shape[-1]), params.penalty)
     x = apply_top_p_top_k(x, params.top_p, params.top_k)
-    if bool(params.block_eos.any()):
-        x[..., eos_code] = torch.where(params.block_eos.view(-1, 1), float("-inf"), x[..., eos_code])
+    x[..., eos_code] = torch.where(params.block_eos.view(-1, 1), float("-inf"), x[..., eos_code])
     return x
 
 
-def sample_codes(
-    processed: torch.Tensor,
-    greedy: list[bool],
-    generators: list[torch.Generator | None],
-) -> torch.Tensor:
+# --------------------------------------------------------------------------- counter-based RNG
+
+_M32 = 0xFFFFFFFF
+_MUL = 0x045D9F3B  # < 2**27: products of 32-bit values stay inside int64
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply rounds) on int64 tensors holding 32-bit values."""
+    x = ((x >> 16) ^ x) * _MUL & _M32
+    x = ((x >> 16) ^ x) * _MUL & _M32
+    return (x >> 16) ^ x
+
+
+def uniform_noise(seed: torch.Tensor, step: torch.Tensor, books: int, n: int) -> torch.Tensor:
+    """Uniform (0, 1) float32 ``[R, books, n]``, a pure function of (seed, step, book, code).
+
+    A counter-based generator: a row's draws depend on its own seed and frame index only, not
+    on the batch it shares, so seeded rows reproduce whatever runs beside them, and the step
+    keeps no generator objects (one fused tensor expression for the whole batch).
+    """
+    dev = seed.device
+    lo, hi = seed & _M32, (seed >> 32) & _M32
+    book = torch.arange(books, device=dev, dtype=torch.int64)
+    key = _mix32(lo ^ _mix32(hi ^ _mix32(step & _M32)))  # [R]
+    key = _mix32(key.view(-1, 1) ^ _mix32(book + 0x9E37).view(1, -1))  # [R, books]
+    code = _mix32(torch.arange(n, device=dev, dtype=torch.int64) * 0x2545 + 0x7F4A)  # [n]
+    bits = _mix32(key.unsqueeze(-1) ^ code.view(1, 1, -1))  # [R, books, n]
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def sample_codes(processed: torch.Tensor, greedy: torch.Tensor, seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """One code per (row, codebook) of ``processed`` ``[R, C, N]`` -> int64 ``[R, C]``.
 
-    Greedy rows take the argmax; seeded rows draw from their own generator (reproducible
-    whatever the batch); the others share the default generator. ``greedy`` and
-    ``generators`` are host-side, one entry per row (no device syncs per row).
+    Sampled rows draw from ``softmax(processed)`` by the Gumbel-max rule (argmax of the logits
+    plus Gumbel noise ``-log(-log(u))``: exactly a categorical draw, as upstream's
+    softmax + multinomial), with ``u`` from :func:`uniform_noise`; greedy rows take the argmax.
     """
     rows, books, n = processed.shape
-    out = processed.argmax(dim=-1)
-    if all(greedy):
-        return out
-    probs = torch.softmax(processed, dim=-1)
-    unseeded = [r for r in range(rows) if not greedy[r] and generators[r] is None]
-    if unseeded:
-        sel = torch.tensor(unseeded, device=processed.device)
-        drawn = torch.multinomial(probs[sel].reshape(-1, n), 1).view(len(unseeded), books)
-        out[sel] = drawn
-    for r in range(rows):
-        gen = generators[r]
-        if gen is not None and not greedy[r]:
-            out[r] = torch.multinomial(probs[r], 1, generator=gen).view(books)
-    return out
+    u = uniform_noise(seed, step, books, n)
+    gumbel = -torch.log(-torch.log(u))
+    noise = torch.where(greedy.view(-1, 1, 1), torch.zeros_like(gumbel), gumbel)
+    return (processed + noise).argmax(dim=-1)
