@@ -254,16 +254,42 @@ class StockEngine:
 
 
 def ensure_checkpoint(args: argparse.Namespace) -> Path:
+    """The checkpoint's code-engine files (GPT, Embed, tokenizer): written with random weights
+    when missing; without the upstream package (bare GPU hosts) only those files."""
     import engine  # noqa: F401  (torch companion shim)
-    from engine.checkpoint import make_checkpoint, missing_files
+    from engine.checkpoint import GPT_FILES, make_checkpoint, make_gpt_checkpoint
 
     model_dir = Path(args.model_dir).expanduser()
-    if missing_files(model_dir):
-        print(f"writing a {args.size} random checkpoint to {model_dir} ...", flush=True)
+    if any(not (model_dir / f).exists() for f in GPT_FILES):
         t = time.monotonic()
-        make_checkpoint(model_dir, args.size, seed=0)
+        try:
+            import ChatTTS  # noqa: F401
+
+            print(f"writing a {args.size} random checkpoint to {model_dir} ...", flush=True)
+            make_checkpoint(model_dir, args.size, seed=0)
+        except Exception:  # noqa: BLE001 - upstream or its dependencies missing/broken here
+            print(f"writing the GPT part of a {args.size} random checkpoint to {model_dir} ...", flush=True)
+            make_gpt_checkpoint(model_dir, args.size, seed=0)
         print(f"  done in {time.monotonic() - t:.0f} s", flush=True)
     return model_dir
+
+
+async def start_spy(args: argparse.Namespace, backend: str, concurrency: int) -> Any:
+    """``--spy-at``: py-spy on the engine-core process(es) during that burst (raw stacks)."""
+    if not args.spy_at or concurrency != args.spy_at or backend not in args.spy_backends.split(","):
+        return None
+    import psutil
+
+    kids = psutil.Process().children(recursive=True)
+    pids = [p.pid for p in kids if "EngineCor" in p.name() or "EngineCore" in " ".join(p.cmdline())]
+    if not pids:
+        print("spy: no engine-core process found", flush=True)
+        return None
+    out = f"{args.spy_out}-{backend}-c{concurrency}.txt"
+    cmd = [args.spy_bin, "record", "--pid", str(pids[0]), "--nonblocking", "-r", "40", "-f", "raw",
+           "-o", out, "--duration", str(int(args.spy_seconds))]
+    print(f"spy: {' '.join(cmd)}", flush=True)
+    return await asyncio.create_subprocess_exec(*cmd)
 
 
 async def run(args: argparse.Namespace, model_dir: Path) -> int:
@@ -292,7 +318,8 @@ async def run(args: argparse.Namespace, model_dir: Path) -> int:
         if backend == "vllm":
             from engine.vllm.engine import VllmCodeEngine
 
-            eng: Any = VllmCodeEngine(model_dir, cfg)
+            extra = {"compilation_config": {"cudagraph_mode": args.cudagraph_mode}} if args.cudagraph_mode else None
+            eng: Any = VllmCodeEngine(model_dir, cfg, engine_args=extra)
         elif backend == "stock":
             eng = StockEngine(model_dir, cfg, async_scheduling=cfg.async_scheduling)
         elif backend == "reference":
@@ -310,7 +337,10 @@ async def run(args: argparse.Namespace, model_dir: Path) -> int:
         print(f"{backend}: started in {starts[backend]:.1f} s", flush=True)
         try:
             for c in concurrency:
+                spy = await start_spy(args, backend, c)
                 r = await burst(eng, backend, c, args.steps, args.text, args.temperature, args.max_seconds)
+                if spy is not None:
+                    await asyncio.wait_for(spy.wait(), timeout=args.spy_seconds + 30)
                 results.append(r)
                 print(table([r], {}).splitlines()[1], flush=True)
         finally:
@@ -343,6 +373,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="vLLM async scheduling on GPU: 1 / 0 (default: on for cuda); ignored on CPU")
     ap.add_argument("--max-num-seqs", type=int, default=0, help="vLLM max_num_seqs (default: the largest burst)")
     ap.add_argument("--json-out", default="", help="write every figure here (JSON)")
+    ap.add_argument("--cudagraph-mode", default="", help="the plugin's vLLM cudagraph_mode (default: vLLM's)")
+    ap.add_argument("--spy-at", type=int, default=0, help="py-spy the engine core during this burst size")
+    ap.add_argument("--spy-backends", default="vllm", help="comma list of backends to spy on")
+    ap.add_argument("--spy-bin", default="py-spy", help="py-spy executable")
+    ap.add_argument("--spy-out", default="spy", help="raw output prefix (-BACKEND-cC.txt is appended)")
+    ap.add_argument("--spy-seconds", type=float, default=5.0, help="seconds of sampling")
     args = ap.parse_args(argv)
     if args.async_scheduling is None:
         args.async_scheduling = args.device != "cpu"

@@ -391,7 +391,6 @@ def make_checkpoint(
     import torch
     from ChatTTS.model.dvae import DVAE
     from ChatTTS.model.embed import Embed
-    from transformers import LlamaConfig, LlamaModel
     from vocos import Vocos
     from vocos.feature_extractors import MelSpectrogramFeatures
     from vocos.heads import ISTFTHead
@@ -435,18 +434,56 @@ def make_checkpoint(
             )
             _save(vocos.state_dict(), out / "asset/Vocos.safetensors")
             del vocos
-            torch.manual_seed(seed + 4)
-            llama_cfg = LlamaConfig(**cfgs["gpt"])
-            llama_cfg.initializer_range = 0.02
-            gpt = LlamaModel(llama_cfg)
-            gpt.apply(gpt._init_weights)
-            state = gpt.state_dict()
-            _save(state, out / "asset/gpt/model.safetensors")
-            del gpt, state
-            cfg_json = {"architectures": ["LlamaModel"], "model_type": "llama", "torch_dtype": "float32", **cfgs["gpt"]}
-            (out / "asset/gpt/config.json").write_text(json.dumps(cfg_json, indent=2, sort_keys=True) + "\n")
+            _write_gpt(out, cfgs["gpt"], seed + 4)
     finally:
         torch.random.set_rng_state(gen_state)
+    write_tokenizer(out)
+    return out
+
+
+def _write_gpt(out: Path, gpt_cfg: dict, seed: int) -> None:
+    """``asset/gpt``: a randomly initialised transformers ``LlamaModel`` and its config."""
+    import torch
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(seed)
+    llama_cfg = LlamaConfig(**gpt_cfg)
+    llama_cfg.initializer_range = 0.02
+    gpt = LlamaModel(llama_cfg)
+    gpt.apply(gpt._init_weights)
+    _save(gpt.state_dict(), out / "asset/gpt/model.safetensors")
+    cfg_json = {"architectures": ["LlamaModel"], "model_type": "llama", "torch_dtype": "float32", **gpt_cfg}
+    (out / "asset/gpt/config.json").write_text(json.dumps(cfg_json, indent=2, sort_keys=True) + "\n")
+
+
+#: What the code engine (the GPT in vLLM) reads of a checkpoint.
+GPT_FILES = ("asset/gpt/config.json", "asset/gpt/model.safetensors", "asset/Embed.safetensors",
+             "asset/tokenizer/tokenizer.json")
+
+
+def make_gpt_checkpoint(out_dir: str | Path, size: Literal["tiny", "small", "full"] | ModelSpec = "full",
+                        seed: int = 0) -> Path:
+    """The code engine's part of a random checkpoint (GPT, ``Embed``, tokenizer), written with
+    torch and transformers only (no ChatTTS, vocos or decoder weights): for benchmarking the
+    GPT on hosts without the upstream package. Same shapes and scales as :func:`make_checkpoint`
+    (other random values)."""
+    import torch
+
+    spec = SIZES[size] if isinstance(size, str) else size
+    out = Path(out_dir)
+    (out / "asset" / "gpt").mkdir(parents=True, exist_ok=True)
+    h, a, t = spec.gpt_hidden, spec.num_audio_tokens, spec.num_text_tokens
+    gen = torch.Generator().manual_seed(seed + 2)
+    emb: dict[str, torch.Tensor] = {"emb_text.weight": torch.randn(t, h, generator=gen) * 0.16}
+    heads = [("head_text", t)] + [(f"head_code.{i}", a) for i in range(spec.num_vq)]
+    for i in range(spec.num_vq):
+        emb[f"emb_code.{i}.weight"] = torch.randn(a, h, generator=gen) * 0.16
+    for name, rows in heads:
+        v = torch.randn(rows, h, generator=gen) * 0.02
+        emb[f"{name}.parametrizations.weight.original0"] = torch.randn(rows, 1, generator=gen) * 0.01
+        emb[f"{name}.parametrizations.weight.original1"] = v
+    _save(emb, out / "asset/Embed.safetensors")
+    _write_gpt(out, upstream_configs(spec)["gpt"], seed + 4)
     write_tokenizer(out)
     return out
 

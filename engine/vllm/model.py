@@ -25,11 +25,11 @@ stops the request.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 from vllm.config import VllmConfig
@@ -38,8 +38,10 @@ from vllm.model_executor.models.llama import LlamaModel
 from vllm.model_executor.models.utils import PPMissingLayer
 
 from engine.vllm.channel import CODE_BITS, GEN_SHIFT
-from engine.vllm.sampling import RowParams, process_logits, sample_codes
+from engine.vllm.sampling import code_keys, frame_sampler, use_eager
 from engine.vllm.state import MAX_WINDOW, DeviceState, device_state
+
+_log = logging.getLogger(__name__)
 
 
 def _first_metadata(attn_metadata: Any) -> Any:
@@ -208,50 +210,32 @@ class ChatTTSForVllm(nn.Module):
 
         The four weight-normed heads -> temperature -> repetition penalty over the slot's last
         ``window`` frames -> top-p -> top-k -> EOS blocked before ``min_new`` -> one draw per
-        codebook (:func:`engine.vllm.sampling.sample_codes`). A row that samples writes its
+        codebook (:func:`engine.vllm.sampling.sample_step`, compiled on CUDA). A row that samples writes its
         frame into its slot's history and into the shared frame table (codebooks 1..3 reach
         the front end there) and counts one more frame. vLLM gets a one-hot row at codebook
         0's code (EOS when any codebook drew EOS) and samples it greedily.
         """
         st = self._state(hidden_states.device)
-        h = hidden_states.to(torch.float32)
-        rows = int(h.shape[0])
-        a = self.n_audio
-        logits4 = torch.stack([F.linear(h, self.head_code[i]) for i in range(self.num_vq)], 1)
-        slot = st.row_slot[:rows]
+        rows = int(hidden_states.shape[0])
+        dev = hidden_states.device
         samples = st.row_samples[:rows]
-        k = st.n_frames[slot]
-        w = MAX_WINDOW
-        j = torch.arange(w, device=h.device, dtype=torch.int64)
-        fidx = k.unsqueeze(1) - w + j  # [R, W]
-        valid = (fidx >= 0) & (j.unsqueeze(0) >= w - st.window[slot].unsqueeze(1))
-        hist = st.codes[slot.unsqueeze(1), fidx.clamp(min=0)]  # [R, W, num_vq]
-        hist = torch.where(valid.unsqueeze(-1), hist, torch.full_like(hist, -1)).transpose(1, 2)
-        greedy = st.greedy[slot]
-        params = RowParams(
-            temperature=st.temperature[slot],
-            top_p=st.top_p[slot],
-            top_k=st.top_k[slot],
-            penalty=st.penalty[slot],
-            block_eos=k < st.min_new[slot],
-            greedy=greedy,
+        args = (
+            hidden_states, self.head_code, st.row_slot[:rows], samples, st.codes, st.n_frames, st.gen,
+            st.window, st.temperature, st.top_p, st.top_k, st.penalty, st.min_new, st.greedy, st.seed,
+            code_keys(self.num_vq, self.n_audio, dev), st.scratch, self.eos_code, MAX_WINDOW, CODE_BITS, GEN_SHIFT,
         )
-        processed = process_logits(logits4, hist, params, self.eos_code)
-        codes = sample_codes(processed, greedy, st.seed[slot], k)  # [R, num_vq]
-        any_eos = (codes == self.eos_code).any(dim=1)
-        codes[:, 0] = torch.where(any_eos, torch.full_like(codes[:, 0], self.eos_code), codes[:, 0])
-        # Rows that do not sample write into the scratch slot (no masks on the host).
-        wslot = torch.where(samples, slot, torch.full_like(slot, st.scratch))
-        wk = k.clamp(max=st.frames - 1)
+        try:
+            codes, packed, wslot, wk = frame_sampler(dev)(*args)
+        except Exception:  # noqa: BLE001 - a compiler failure must not take the engine down
+            _log.warning("compiled ChatTTS sampler failed; using the eager one", exc_info=True)
+            use_eager(dev)
+            codes, packed, wslot, wk = frame_sampler(dev)(*args)
         st.codes.index_put_((wslot, wk), codes)
-        packed = (st.gen[slot] << GEN_SHIFT) | codes[:, 0]
-        for i in range(1, self.num_vq):
-            packed = packed | (codes[:, i] << (i * CODE_BITS))
         st.table.index_put_((wslot, wk), packed)
         st.n_frames.index_add_(0, wslot, samples.to(torch.int64))
         st.counters[0] += samples.sum()
         st.counters[2] += 1
-        vocab = self.n_text + self.num_vq * a
-        out = torch.full((rows, vocab), float("-inf"), dtype=torch.float32, device=h.device)
+        vocab = self.n_text + self.num_vq * self.n_audio
+        out = torch.full((rows, vocab), float("-inf"), dtype=torch.float32, device=dev)
         out.scatter_(1, (codes[:, :1] + self.n_text), 0.0)
         return out

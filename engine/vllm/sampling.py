@@ -15,7 +15,9 @@ host or loops over rows: the worker runs it inside the GPU step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -108,32 +110,97 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def uniform_noise(seed: torch.Tensor, step: torch.Tensor, books: int, n: int) -> torch.Tensor:
+_CODE_KEYS: dict[tuple[int, int, str], torch.Tensor] = {}
+
+
+def code_keys(books: int, n: int, device: torch.device) -> torch.Tensor:
+    """Per (codebook, code) hash constants ``[books, n]`` (computed once per device)."""
+    key = (books, n, str(device))
+    t = _CODE_KEYS.get(key)
+    if t is None:
+        idx = torch.arange(books * n, device=device, dtype=torch.int64).view(books, n)
+        t = _CODE_KEYS[key] = _mix32(_mix32(idx * 0x2545 + 0x7F4A))
+    return t
+
+
+def uniform_noise(seed: torch.Tensor, step: torch.Tensor, code_keys: torch.Tensor) -> torch.Tensor:
     """Uniform (0, 1) float32 ``[R, books, n]``, a pure function of (seed, step, book, code).
 
     A counter-based generator: a row's draws depend on its own seed and frame index only, not
     on the batch it shares, so seeded rows reproduce whatever runs beside them, and the step
-    keeps no generator objects (one fused tensor expression for the whole batch).
+    keeps no generator objects (one tensor expression for the whole batch).
     """
-    dev = seed.device
     lo, hi = seed & _M32, (seed >> 32) & _M32
-    book = torch.arange(books, device=dev, dtype=torch.int64)
-    key = _mix32(lo ^ _mix32(hi ^ _mix32(step & _M32)))  # [R]
-    key = _mix32(key.view(-1, 1) ^ _mix32(book + 0x9E37).view(1, -1))  # [R, books]
-    code = _mix32(torch.arange(n, device=dev, dtype=torch.int64) * 0x2545 + 0x7F4A)  # [n]
-    bits = _mix32(key.unsqueeze(-1) ^ code.view(1, 1, -1))  # [R, books, n]
+    key = _mix32(lo ^ _mix32(hi ^ (step & _M32)))  # [R]
+    bits = _mix32(key.view(-1, 1, 1) ^ code_keys.unsqueeze(0))  # [R, books, n]
     return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def sample_codes(processed: torch.Tensor, greedy: torch.Tensor, seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+def draw(processed: torch.Tensor, greedy: torch.Tensor, seed: torch.Tensor, step: torch.Tensor,
+         code_keys: torch.Tensor) -> torch.Tensor:
     """One code per (row, codebook) of ``processed`` ``[R, C, N]`` -> int64 ``[R, C]``.
 
     Sampled rows draw from ``softmax(processed)`` by the Gumbel-max rule (argmax of the logits
     plus Gumbel noise ``-log(-log(u))``: exactly a categorical draw, as upstream's
     softmax + multinomial), with ``u`` from :func:`uniform_noise`; greedy rows take the argmax.
     """
-    rows, books, n = processed.shape
-    u = uniform_noise(seed, step, books, n)
-    gumbel = -torch.log(-torch.log(u))
-    noise = torch.where(greedy.view(-1, 1, 1), torch.zeros_like(gumbel), gumbel)
+    u = uniform_noise(seed, step, code_keys)
+    noise = torch.where(greedy.view(-1, 1, 1), torch.zeros_like(u), -torch.log(-torch.log(u)))
     return (processed + noise).argmax(dim=-1)
+
+
+def sample_step(
+    hidden: torch.Tensor, heads: torch.Tensor, slot: torch.Tensor, samples: torch.Tensor,
+    codes: torch.Tensor, n_frames: torch.Tensor, gen: torch.Tensor, window: torch.Tensor,
+    temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, penalty: torch.Tensor,
+    min_new: torch.Tensor, greedy: torch.Tensor, seed: torch.Tensor, code_keys: torch.Tensor,
+    scratch: int, eos_code: int, max_window: int, code_bits: int, gen_shift: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sampling step for the rows of a batch, as a pure function of the device state.
+
+    ``hidden [R, H]`` -> the four heads -> the slot's history of the last ``window`` frames ->
+    :func:`process_logits` -> one draw per codebook (codebook 0 forced to EOS where any
+    codebook drew EOS, as upstream stops on any EOS). Returns (codes ``[R, C]``, packed frame
+    for the frame table ``[R]``, write slot ``[R]`` (scratch for rows that do not sample),
+    frame index ``[R]``); the caller scatters them into the state. Flat tensor arguments keep
+    it a plain function for ``torch.compile``.
+    """
+    h = hidden.to(torch.float32)
+    books = heads.shape[0]
+    logits = torch.stack([torch.nn.functional.linear(h, heads[i]) for i in range(books)], 1)
+    k = n_frames[slot]
+    j = torch.arange(max_window, device=h.device, dtype=torch.int64)
+    fidx = k.unsqueeze(1) - max_window + j  # [R, W]
+    valid = (fidx >= 0) & (j.unsqueeze(0) >= max_window - window[slot].unsqueeze(1))
+    hist = codes[slot.unsqueeze(1), fidx.clamp(min=0, max=codes.shape[1] - 1)]  # [R, W, C]
+    hist = torch.where(valid.unsqueeze(-1), hist, torch.full_like(hist, -1)).transpose(1, 2)
+    g = greedy[slot]
+    params = RowParams(temperature[slot], top_p[slot], top_k[slot], penalty[slot], k < min_new[slot], g)
+    out = draw(process_logits(logits, hist, params, eos_code), g, seed[slot], k, code_keys)
+    any_eos = (out == eos_code).any(dim=1)
+    out = torch.cat([torch.where(any_eos, torch.full_like(out[:, 0], eos_code), out[:, 0]).unsqueeze(1), out[:, 1:]], 1)
+    packed = gen[slot] << gen_shift
+    for i in range(books):
+        packed = packed | (out[:, i] << (i * code_bits))
+    wslot = torch.where(samples, slot, torch.full_like(slot, scratch))
+    return out, packed, wslot, k.clamp(max=codes.shape[1] - 1)
+
+
+_COMPILED: dict[str, Callable[..., Any]] = {}
+
+
+def frame_sampler(device: torch.device) -> Callable[..., Any]:
+    """:func:`sample_step` for ``device``: compiled with inductor (dynamic batch size) on CUDA,
+    so the ~60 small elementwise kernels of the pipeline and the RNG launch as a few fused
+    ones (the host's launch work is what limits a small batch); eager on CPU."""
+    key = device.type
+    fn = _COMPILED.get(key)
+    if fn is None:
+        fn = sample_step if key == "cpu" else torch.compile(sample_step, dynamic=True)
+        _COMPILED[key] = fn
+    return fn
+
+
+def use_eager(device: torch.device) -> None:
+    """Fall back to the eager sampler on ``device`` (the compiled one failed)."""
+    _COMPILED[device.type] = sample_step
