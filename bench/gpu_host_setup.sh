@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepare an offline GPU host (python3.12 + torch 2.11 cu130, no package index) to run voicegw:
-#   - vLLM 0.26.0 from the parts staged by ../shared/gpu/stage-vllm.sh (.gpu1..6 -> /tmp/parts)
+#   - vLLM 0.26.0 from the staged parts (.gpu1..7 -> /tmp/parts, 45 MB each: the tree travels too) and .gpudeps
 #   - the small wheels voicegw needs beside it (.gpuw: websockets, uvloop, orjson, soxr, vocos, ...)
 #   - the voicegw vLLM plugin entry point (a dist-info in /tmp/site; the repo itself is on PYTHONPATH)
 #   - a no-op numba for upstream ChatTTS's text normaliser (not used; numba is not on the host)
@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! python3 -c "import sys; sys.path.insert(0, '/tmp/site'); import vllm" 2>/dev/null; then
-  bash .gpu6/install.sh
+  bash .gpudeps/install.sh
 fi
 if [ -d .gpuw ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site/_wheels .gpuw/*.whl && cp -rn /tmp/site/_wheels/. /tmp/site/ 2>&1 | tail -2 || true
