@@ -26,7 +26,7 @@ import json
 import lzma
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -193,6 +193,23 @@ def _encode_f16(arr: np.ndarray) -> str:
     return str(b14.encode_to_string(np.asarray(arr, dtype=np.float16).tobytes()))
 
 
+def _upstream_config() -> Any:
+    """Upstream's ``ChatTTS.config.Config()``, loaded from its file alone: ``import ChatTTS``
+    would import the whole upstream stack (vocos, encodec, vector-quantize, torchaudio), which
+    the code engine does not need for a constant."""
+    import importlib.util
+
+    pkg = importlib.util.find_spec("ChatTTS")
+    if pkg is None or not pkg.submodule_search_locations:
+        raise ModuleNotFoundError("ChatTTS (chattts==0.2.5) is needed for the released speaker statistics")
+    path = Path(list(pkg.submodule_search_locations)[0]) / "config" / "config.py"
+    spec = importlib.util.spec_from_file_location("_voicegw_upstream_config", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.Config()
+
+
 def speaker_stat(hidden: int) -> str:
     """Speaker statistics (std, mean; fp16, base16384) used to sample random voices.
 
@@ -200,9 +217,7 @@ def speaker_stat(hidden: int) -> str:
     sizes (random test checkpoints) a deterministic synthetic statistic of the right size.
     """
     if hidden == FULL.gpt_hidden:
-        from ChatTTS.config import Config
-
-        return str(Config().spk_stat)
+        return str(_upstream_config().spk_stat)
     rng = np.random.default_rng(hidden)
     std = rng.uniform(0.5, 1.5, hidden)
     mean = rng.normal(0.0, 0.1, hidden)

@@ -158,13 +158,13 @@ def test_resumed_request_starts_with_its_prefix() -> None:
 
 
 def test_gumbel_sampler_draws_from_the_softmax() -> None:
-    from engine.vllm.sampling import sample_codes
+    from engine.vllm.sampling import code_keys, draw
 
     n, rows = 6, 4000
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf")])
     x = logits.expand(rows, 1, n).clone()
     seeds = torch.arange(rows, dtype=torch.int64) * 7919 + 11
-    got = sample_codes(x, torch.zeros(rows, dtype=torch.bool), seeds, torch.zeros(rows, dtype=torch.int64))
+    got = draw(x, torch.zeros(rows, dtype=torch.bool), seeds, torch.zeros(rows, dtype=torch.int64), code_keys(1, n, x.device))
     freq = torch.bincount(got.view(-1), minlength=n).double() / rows
     want = torch.softmax(logits.double(), 0)
     assert freq[-1] == 0, "a masked code is never drawn"
@@ -173,19 +173,20 @@ def test_gumbel_sampler_draws_from_the_softmax() -> None:
 
 
 def test_seeded_draws_depend_on_seed_and_step_only() -> None:
-    from engine.vllm.sampling import sample_codes
+    from engine.vllm.sampling import code_keys, draw
 
     torch.manual_seed(0)
     x = torch.randn(5, 4, 626)
     seeds = torch.tensor([1, 2, 3, 4, 5])
     steps = torch.tensor([0, 9, 3, 3, 100])
     g = torch.zeros(5, dtype=torch.bool)
-    full = sample_codes(x, g, seeds, steps)
-    alone = sample_codes(x[2:3], g[:1], seeds[2:3], steps[2:3])
+    keys = code_keys(4, 626, x.device)
+    full = draw(x, g, seeds, steps, keys)
+    alone = draw(x[2:3], g[:1], seeds[2:3], steps[2:3], keys)
     assert torch.equal(full[2:3], alone), "a row's draw must not depend on its batch"
-    other = sample_codes(x, g, seeds + 1000, steps)
+    other = draw(x, g, seeds + 1000, steps, keys)
     assert not torch.equal(full, other)
-    greedy = sample_codes(x, torch.ones(5, dtype=torch.bool), seeds, steps)
+    greedy = draw(x, torch.ones(5, dtype=torch.bool), seeds, steps, keys)
     assert torch.equal(greedy, x.argmax(-1))
 
 
