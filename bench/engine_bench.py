@@ -275,19 +275,14 @@ def ensure_checkpoint(args: argparse.Namespace) -> Path:
 
 
 async def start_spy(args: argparse.Namespace, backend: str, concurrency: int) -> Any:
-    """``--spy-at``: py-spy on the engine-core process(es) during that burst (raw stacks)."""
-    if not args.spy_at or concurrency != args.spy_at or backend not in args.spy_backends.split(","):
-        return None
-    import psutil
-
-    kids = psutil.Process().children(recursive=True)
-    pids = [p.pid for p in kids if "EngineCor" in p.name() or "EngineCore" in " ".join(p.cmdline())]
-    if not pids:
-        print("spy: no engine-core process found", flush=True)
+    """``--spy-at``: py-spy on this process and its children (the vLLM front end here, the
+    engine core spawned) during those bursts, raw stacks with process frames."""
+    levels = {int(x) for x in str(args.spy_at).split(",") if x.strip() and x.strip() != "0"}
+    if concurrency not in levels or backend not in args.spy_backends.split(","):
         return None
     out = f"{args.spy_out}-{backend}-c{concurrency}.txt"
-    cmd = [args.spy_bin, "record", "--pid", str(pids[0]), "--nonblocking", "-r", "40", "-f", "raw",
-           "-o", out, "--duration", str(int(args.spy_seconds))]
+    cmd = [args.spy_bin, "record", "--pid", str(os.getpid()), "--subprocesses", "--nonblocking", "-r", "40",
+           "-f", "raw", "-o", out, "--duration", str(int(args.spy_seconds))]
     print(f"spy: {' '.join(cmd)}", flush=True)
     return await asyncio.create_subprocess_exec(*cmd)
 
@@ -374,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=0, help="vLLM max_num_seqs (default: the largest burst)")
     ap.add_argument("--json-out", default="", help="write every figure here (JSON)")
     ap.add_argument("--cudagraph-mode", default="", help="the plugin's vLLM cudagraph_mode (default: vLLM's)")
-    ap.add_argument("--spy-at", type=int, default=0, help="py-spy the engine core during this burst size")
+    ap.add_argument("--spy-at", default="", help="comma list of burst sizes to py-spy (front end + engine core)")
     ap.add_argument("--spy-backends", default="vllm", help="comma list of backends to spy on")
     ap.add_argument("--spy-bin", default="py-spy", help="py-spy executable")
     ap.add_argument("--spy-out", default="spy", help="raw output prefix (-BACKEND-cC.txt is appended)")

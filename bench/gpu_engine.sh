@@ -23,7 +23,7 @@ run_bench() {  # $1: log name, rest: extra args
   local name=$1; shift
   timeout 520 python3 -m bench.engine_bench --device cuda --compile --backends vllm,stock --concurrency "$LEVELS" \
     --steps "$STEPS" --max-num-seqs 512 --max-num-batched-tokens 8192 --model-dir /tmp/ckgpt \
-    --json-out "$OUT/$name.json" --spy-at 256 --spy-bin "$SPY" --spy-out "$OUT/spy" --spy-seconds 4 "$@" \
+    --json-out "$OUT/$name.json" --spy-at 1,256 --spy-bin "$SPY" --spy-out "$OUT/spy" --spy-seconds 4 "$@" \
     > "$OUT/$name.log" 2>&1
 }
 run_bench engine
@@ -35,8 +35,8 @@ fi
 kill $DMON 2>/dev/null
 for f in "$OUT"/spy-*.txt; do
   [ -f "$f" ] || continue
-  python3 .gpukit/spy_summary.py "$f" "" run_busy_loop 6 > "${f%.txt}.summary" 2>&1
-  python3 .gpukit/spy_summary.py "$f" "" "" 3 > "${f%.txt}.top" 2>&1
+  python3 .gpukit/spy_summary.py "$f" EngineCore run_busy_loop 6 > "${f%.txt}.core" 2>&1
+  python3 .gpukit/spy_summary.py "$f" engine_bench "" 5 > "${f%.txt}.front" 2>&1
 done
 grep -E "^(vllm|stock) |ratio|^ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$|start-up" "$OUT"/engine*.log | tail -30
 tail -5 "$OUT/dmon.txt"

@@ -9,6 +9,7 @@ chat.sample_random_speaker()``. The vector placed at ``[spk_emb]`` is upstream's
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -44,15 +45,23 @@ def _is_seed(value: str | int) -> bool:
     return s.isascii() and s.lstrip("-").isdigit()
 
 
-def sample_from_seed(seed: int, hidden: int) -> np.ndarray:
-    """fp16 random voice: ``randn * std + mean`` (fp16 ops, as upstream ``_sample_random``)."""
+@functools.lru_cache(maxsize=8)
+def _stat(hidden: int) -> np.ndarray:
+    """(std, mean) of random voices, decoded once per hidden size."""
     import pybase16384 as b14
-    import torch
 
     from engine.checkpoint import speaker_stat
 
     stat = np.frombuffer(b14.decode_from_string(speaker_stat(hidden)), dtype=np.float16).copy()
-    std, mean = torch.from_numpy(stat).chunk(2)
+    stat.setflags(write=False)
+    return stat
+
+
+def sample_from_seed(seed: int, hidden: int) -> np.ndarray:
+    """fp16 random voice: ``randn * std + mean`` (fp16 ops, as upstream ``_sample_random``)."""
+    import torch
+
+    std, mean = torch.from_numpy(_stat(hidden).copy()).chunk(2)
     gen = torch.Generator().manual_seed(int(seed))
     spk = torch.randn(hidden, generator=gen, dtype=torch.float16).mul_(std).add_(mean)
     return spk.numpy().copy()

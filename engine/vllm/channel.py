@@ -38,6 +38,7 @@ import mmap
 import os
 import secrets
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,12 +160,21 @@ class FrameTable:
                 fut.set_result(None)
                 return
 
-    def read(self, slot: int, gen: int, k0: int, tokens: np.ndarray) -> np.ndarray | None:
+    def read(self, slot: int, gen: int, k0: int, tokens: Sequence[int] | np.ndarray) -> np.ndarray | None:
         """Frames ``k0..k0+n`` of ``slot`` as codes ``[n, 4]``, or None while an entry is not
         (yet) the request's own: wrong generation or ``c0`` different from the token."""
         n = len(tokens)
         if k0 + n > self.spec.frames:
             raise IndexError(f"frames {k0}..{k0 + n} beyond the table's {self.spec.frames}")
+        if n == 1:  # the common case (one token per step): plain integers, no array temporaries
+            v = int(self.table[slot, k0])
+            if v >> GEN_SHIFT != gen or v & CODE_MASK != int(tokens[0]):
+                return None
+            return np.array(
+                [[v & CODE_MASK, (v >> CODE_BITS) & CODE_MASK, (v >> 2 * CODE_BITS) & CODE_MASK,
+                  (v >> 3 * CODE_BITS) & CODE_MASK]],
+                dtype=np.int64,
+            )
         g, codes = unpack(self.table[slot, k0 : k0 + n])
         if (g != gen).any() or (codes[:, 0] != tokens).any():
             return None

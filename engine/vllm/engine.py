@@ -41,7 +41,7 @@ from engine.prompt import CodeModelInfo, PromptBuilder
 from engine.speaker import ResolvedSpeaker, SpeakerError, resolve_speaker
 from engine.vllm._env import child_env, prepare
 from engine.vllm.channel import ENV_KEY, FrameTable
-from engine.vllm.state import EXTRA_KEY, RequestParams
+from engine.vllm.state import EXTRA_KEY, RequestParams, encode_vector
 from voicegw.config import EngineConfig
 
 _log = logging.getLogger(__name__)
@@ -356,7 +356,7 @@ class VllmCodeEngine:
             greedy=greedy,
             # seeded rows: a stream of their own, distinct from the seed's other uses
             seed=(int(seed) * 1_000_003 + 0x5EED) % (2**63) if p.seed is not None else int(seed),
-            speaker=None if spk is None else [float(x) for x in spk.normalized],
+            speaker=None if spk is None else encode_vector(spk.normalized),
             side_codes=side_codes,
             prefix=prefix,
         )
@@ -385,30 +385,28 @@ class VllmCodeEngine:
     async def _frames(self, slot: int, gen: int, k0: int, token_ids: list[int]) -> tuple[np.ndarray, bool]:
         """Delta tokens (frames ``k0..``) -> (codes ``[n, num_vq]`` without EOS, saw_eos)."""
         info = self.info
-        tok = np.asarray(token_ids, dtype=np.int64) - info.num_text_tokens
-        if tok.size and (tok.min() < 0 or tok.max() >= info.num_audio_tokens):
+        t, eos = info.num_text_tokens, info.eos_code
+        codes0 = [tok - t for tok in token_ids]
+        if any(not 0 <= c < info.num_audio_tokens for c in codes0):
             raise EngineError("vLLM sampled an id outside codebook 0", EngineErrorKind.RECOVERABLE)
-        eos = np.nonzero(tok == info.eos_code)[0]
-        saw_eos = bool(eos.size)
+        saw_eos = eos in codes0
         if saw_eos:
-            tok = tok[: int(eos[0])]
-        if not tok.size:
+            codes0 = codes0[: codes0.index(eos)]
+        if not codes0:
             return np.zeros((0, info.num_vq), dtype=np.int64), saw_eos
         table = self._table
         assert table is not None
-        deadline = None
-        while True:
-            codes = table.read(slot, gen, k0, tok)
-            if codes is not None:
-                break
-            now = time.monotonic()
-            deadline = deadline or now + _FRAME_WAIT_S
-            if now > deadline:
-                raise EngineError("side codes missing from the frame table", EngineErrorKind.RECOVERABLE)
-            await asyncio.sleep(0.0005)
-        eos_rows = np.nonzero((codes == info.eos_code).any(axis=1))[0]
-        if eos_rows.size:  # a side codebook drew EOS (codebook 0 is forced to it, so unseen here)
-            codes, saw_eos = codes[: int(eos_rows[0])], True
+        codes = table.read(slot, gen, k0, codes0)
+        if codes is None:  # written before vLLM copies the token out: only a broken channel waits
+            deadline = time.monotonic() + _FRAME_WAIT_S
+            while codes is None:
+                if time.monotonic() > deadline:
+                    raise EngineError("side codes missing from the frame table", EngineErrorKind.RECOVERABLE)
+                await asyncio.sleep(0.0005)
+                codes = table.read(slot, gen, k0, codes0)
+        if eos in codes:  # a side codebook drew EOS (codebook 0 is forced to it, so unseen here)
+            first = int(np.nonzero((codes == eos).any(axis=1))[0][0])
+            codes, saw_eos = codes[:first], True
         return codes, saw_eos
 
     async def generate(

@@ -83,6 +83,9 @@ class ChatTTSForVllm(nn.Module):
         )
         self._vllm_config = vllm_config
         self._device_state: DeviceState | None = None
+        #: CUDA graphs of the sampling step by batch-size bucket ({} until captured; None: off).
+        self._graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] | None = {}
+        self._graph_sizes: list[int] = []
         self._max_tokens = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0)
         self._embeds_buf: torch.Tensor | None = None
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
@@ -199,6 +202,7 @@ class ChatTTSForVllm(nn.Module):
         # Rows that sample: the step ends at the request's last known token.
         end_pos = pos[(ends - 1).clamp(0, n - 1)] + 1
         samples = (ends > qsl[:-1]) & (end_pos - st.prompt_len[rslot] == st.n_frames[rslot]) & (rslot != st.scratch)
+        st.row_samples.zero_()  # rows past this step's must not sample (graph buckets read them)
         st.row_samples[:rows].copy_(samples)
         st.counters[1] += (is_code & real & (frame < st.n_frames[slot] - 1)).sum()
         return emb.to(self.model_dtype)
@@ -216,6 +220,55 @@ class ChatTTSForVllm(nn.Module):
         0's code (EOS when any codebook drew EOS) and samples it greedily.
         """
         st = self._state(hidden_states.device)
+        if hidden_states.device.type == "cuda" and self._graphs is not None:
+            try:
+                return self._graphed_logits(st, hidden_states)
+            except Exception:  # noqa: BLE001 - fall back to the launched kernels, keep serving
+                _log.warning("CUDA graphs of the ChatTTS sampler failed; launching its kernels", exc_info=True)
+                self._graphs = None
+        return self._logits(st, hidden_states)
+
+    def _graphed_logits(self, st: DeviceState, h: torch.Tensor) -> torch.Tensor:
+        """:meth:`_logits` replayed from a CUDA graph captured per batch-size bucket (vLLM's
+        capture sizes), all buckets at the first call (vLLM's profiling run: their memory is
+        counted before the KV cache is sized). Rows past the batch map to the scratch slot and
+        do not sample, so a bucket larger than the batch writes nothing real."""
+        graphs = self._graphs
+        assert graphs is not None
+        if not graphs:
+            self._capture_logits(st, h)
+        rows = int(h.shape[0])
+        bucket = next((b for b in self._graph_sizes if b >= rows), None)
+        if bucket is None:  # larger than any capture size: launch the kernels
+            return self._logits(st, h)
+        g, h_in, out = graphs[bucket]
+        h_in[:rows].copy_(h)
+        g.replay()
+        return out[:rows]
+
+    def _capture_logits(self, st: DeviceState, h: torch.Tensor) -> None:
+        cc = getattr(self._vllm_config, "compilation_config", None)
+        sizes = sorted({int(x) for x in (getattr(cc, "cudagraph_capture_sizes", None) or []) if 0 < int(x) <= st.max_rows})
+        self._graph_sizes = sizes
+        pool = torch.cuda.graph_pool_handle()
+        graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        for b in reversed(sizes):  # the largest first: later (smaller) captures reuse its pool
+            h_in = torch.zeros((b, h.shape[1]), dtype=h.dtype, device=h.device)
+            self._logits(st, h_in)  # compile / first-use work outside the capture
+            torch.cuda.synchronize(h.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+                out = self._logits(st, h_in)
+            graphs[b] = (g, h_in, out)
+        torch.cuda.synchronize(h.device)
+        assert self._graphs is not None
+        self._graphs.update(graphs)
+        _log.info("ChatTTS sampler: %d CUDA graphs captured (batch sizes %s..%s)", len(graphs),
+                  sizes[0] if sizes else "-", sizes[-1] if sizes else "-")
+
+    def _logits(self, st: DeviceState, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The sampling step for ``hidden_states`` ``[R, H]`` (one row per batch row): the
+        frame drawn, written into the state, and vLLM's one-hot logits ``[R, V]``."""
         rows = int(hidden_states.shape[0])
         dev = hidden_states.device
         samples = st.row_samples[:rows]

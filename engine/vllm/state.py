@@ -21,6 +21,7 @@ Nothing here loops over batch rows per step, and nothing copies device data to t
 
 from __future__ import annotations
 
+import base64
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +57,9 @@ class RequestParams:
     greedy: bool
     seed: int
     """Seed of the row's counter-based RNG (the front end draws one when the caller gave none)."""
-    speaker: list[float] | None
+    speaker: str | None
+    """The speaker vector: float32 little-endian bytes, base64 (a 768-float list would cost
+    more to serialise, send and parse than the rest of the request)."""
     side_codes: bool = True
     """Debug switch: False drops codebooks 1..3 from the input embedding (negative control)."""
     prefix: list[list[int]] | None = None
@@ -82,10 +85,19 @@ class RequestParams:
             max_new=int(d["max_new"]),
             greedy=bool(d["greedy"]),
             seed=int(d["seed"]),
-            speaker=None if d.get("speaker") is None else [float(x) for x in d["speaker"]],
+            speaker=None if d.get("speaker") is None else str(d["speaker"]),
             side_codes=bool(d.get("side_codes", True)),
             prefix=None if d.get("prefix") is None else [[int(c) for c in row] for row in d["prefix"]],
         )
+
+
+def encode_vector(v: Any) -> str:
+    """float32 vector -> base64 of its little-endian bytes (``RequestParams.speaker``)."""
+    return base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode("ascii")
+
+
+def decode_vector(s: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(s), dtype="<f4")
 
 
 def request_params(sampling_params: Any) -> RequestParams | None:
@@ -241,7 +253,7 @@ class DeviceState:
         spk = np.zeros((len(new), hidden), dtype=np.float32)
         for j, (rp, _) in enumerate(new):
             if rp.speaker is not None:
-                spk[j] = rp.speaker
+                spk[j] = decode_vector(rp.speaker)
         self.speaker.index_put_((slots,), self._upload(spk, torch.float32))
         for (rp, _), k in zip(new, ks, strict=True):
             if k:  # resumed request: its earlier frames (rare: once per resume)

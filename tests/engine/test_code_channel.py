@@ -102,11 +102,11 @@ class _Swap:
 
 
 def _params(slot: int, gen: int, *, prefix: list[list[int]] | None = None) -> _SP:
-    from engine.vllm.state import EXTRA_KEY, RequestParams
+    from engine.vllm.state import EXTRA_KEY, RequestParams, encode_vector
 
     rp = RequestParams(
         key=f"r{slot}-{gen}", slot=slot, gen=gen, temperature=0.3, top_p=0.7, top_k=20, penalty=1.05,
-        window=16, min_new=2, max_new=40, greedy=False, seed=gen, speaker=[0.5] * 8, prefix=prefix,
+        window=16, min_new=2, max_new=40, greedy=False, seed=gen, speaker=encode_vector([0.5] * 8), prefix=prefix,
     )
     return _SP({EXTRA_KEY: rp.to_extra()})
 
