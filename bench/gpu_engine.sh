@@ -23,7 +23,7 @@ run_bench() {  # $1: log name, rest: extra args
   local name=$1; shift
   timeout 520 python3 -m bench.engine_bench --device cuda --compile --backends vllm,stock --concurrency "$LEVELS" \
     --steps "$STEPS" --max-num-seqs 512 --max-num-batched-tokens 8192 --model-dir /tmp/ckgpt \
-    --json-out "$OUT/$name.json" --spy-at 1,256 --spy-bin "$SPY" --spy-out "$OUT/spy" --spy-seconds 4 "$@" \
+    --json-out "$OUT/$name.json" --spy-at 256 --spy-bin "$SPY" --spy-out "$OUT/spy" --spy-seconds 4 "$@" \
     > "$OUT/$name.log" 2>&1
 }
 run_bench engine

@@ -382,8 +382,10 @@ class VllmCodeEngine:
             prompt["cache_salt"] = salt
         return TokensPrompt(**prompt), sp  # type: ignore[typeddict-item]
 
-    async def _frames(self, slot: int, gen: int, k0: int, token_ids: list[int]) -> tuple[np.ndarray, bool]:
-        """Delta tokens (frames ``k0..``) -> (codes ``[n, num_vq]`` without EOS, saw_eos)."""
+    def _frames(self, slot: int, gen: int, k0: int, token_ids: Any) -> tuple[np.ndarray | None, bool, list[int]]:
+        """Delta tokens (frames ``k0..``) -> (codes ``[n, num_vq]`` without EOS or None while an
+        entry is not readable yet, saw_eos, the codebook-0 codes read). Synchronous: this runs
+        once per request and step, so the common case creates no coroutine."""
         info = self.info
         t, eos = info.num_text_tokens, info.eos_code
         codes0 = [tok - t for tok in token_ids]
@@ -393,21 +395,27 @@ class VllmCodeEngine:
         if saw_eos:
             codes0 = codes0[: codes0.index(eos)]
         if not codes0:
-            return np.zeros((0, info.num_vq), dtype=np.int64), saw_eos
+            return np.zeros((0, info.num_vq), dtype=np.int64), saw_eos, codes0
         table = self._table
         assert table is not None
         codes = table.read(slot, gen, k0, codes0)
-        if codes is None:  # written before vLLM copies the token out: only a broken channel waits
-            deadline = time.monotonic() + _FRAME_WAIT_S
-            while codes is None:
-                if time.monotonic() > deadline:
-                    raise EngineError("side codes missing from the frame table", EngineErrorKind.RECOVERABLE)
-                await asyncio.sleep(0.0005)
-                codes = table.read(slot, gen, k0, codes0)
-        if eos in codes:  # a side codebook drew EOS (codebook 0 is forced to it, so unseen here)
+        if codes is not None and eos in codes:  # a side codebook drew EOS (codebook 0 follows it)
             first = int(np.nonzero((codes == eos).any(axis=1))[0][0])
             codes, saw_eos = codes[:first], True
-        return codes, saw_eos
+        return codes, saw_eos, codes0
+
+    async def _wait_frames(self, slot: int, gen: int, k0: int, token_ids: Any, stats: dict[str, Any]) -> tuple[np.ndarray, bool]:
+        """The entries are written before vLLM copies the token out: only a broken channel waits
+        past the bound (then the request fails rather than deliver wrong codes)."""
+        stats["frame_waits"] = stats.get("frame_waits", 0) + 1
+        deadline = time.monotonic() + _FRAME_WAIT_S
+        while True:
+            await asyncio.sleep(0.0005)
+            codes, saw_eos, _ = self._frames(slot, gen, k0, token_ids)
+            if codes is not None:
+                return codes, saw_eos
+            if time.monotonic() > deadline:
+                raise EngineError("side codes missing from the frame table", EngineErrorKind.RECOVERABLE)
 
     async def generate(
         self, request: SpeechRequest, *, side_codes: bool = True, cache_salt: bool = True
@@ -447,10 +455,14 @@ class VllmCodeEngine:
         try:
             async for out in stream:
                 comp = out.outputs[0]
-                codes, saw_eos = await self._frames(slot, gen, k, list(comp.token_ids))
-                k += len(comp.token_ids)
-                stats["steps"] += len(comp.token_ids)
-                if "ttft_s" not in stats and len(comp.token_ids):
+                tokens = comp.token_ids
+                got, saw_eos, _ = self._frames(slot, gen, k, tokens)
+                if got is None:
+                    got, saw_eos = await self._wait_frames(slot, gen, k, tokens, stats)
+                codes = got
+                k += len(tokens)
+                stats["steps"] += len(tokens)
+                if "ttft_s" not in stats and len(tokens):
                     stats["ttft_s"] = time.monotonic() - t_submit
                     stats["num_cached_tokens"] = getattr(out, "num_cached_tokens", None)
                 done = bool(out.finished) or saw_eos

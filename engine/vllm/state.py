@@ -233,22 +233,27 @@ class DeviceState:
                 raise ValueError(f"prefix of {k} frames does not fit (max_new {rp.max_new})")
             self.host_stats["resumed" if k else "requests"] += 1
 
-        def put(t: torch.Tensor, values: list[Any]) -> None:
-            t.index_put_((slots,), self._upload(values, t.dtype))
-
-        put(self.n_frames, ks)
-        put(self.prompt_len, [n - k for (_, n), k in zip(new, ks, strict=True)])
-        put(self.gen, [rp.gen for rp, _ in new])
-        put(self.seed, [rp.seed & 0x7FFF_FFFF_FFFF_FFFF for rp, _ in new])
-        put(self.temperature, [rp.temperature for rp, _ in new])
-        put(self.top_p, [rp.top_p for rp, _ in new])
-        put(self.top_k, [rp.top_k for rp, _ in new])
-        put(self.penalty, [rp.penalty for rp, _ in new])
-        put(self.window, [min(rp.window, MAX_WINDOW) for rp, _ in new])
-        put(self.min_new, [rp.min_new for rp, _ in new])
-        put(self.greedy, [rp.greedy for rp, _ in new])
-        put(self.side_on, [rp.side_codes for rp, _ in new])
-        put(self.has_spk, [rp.speaker is not None for rp, _ in new])
+        # One upload for every scalar of every arrival (columns split on the device).
+        fields = [
+            (self.n_frames, ks),
+            (self.prompt_len, [n - k for (_, n), k in zip(new, ks, strict=True)]),
+            (self.gen, [rp.gen for rp, _ in new]),
+            (self.seed, [rp.seed & 0x7FFF_FFFF_FFFF_FFFF for rp, _ in new]),
+            (self.top_k, [rp.top_k for rp, _ in new]),
+            (self.window, [min(rp.window, MAX_WINDOW) for rp, _ in new]),
+            (self.min_new, [rp.min_new for rp, _ in new]),
+            (self.greedy, [rp.greedy for rp, _ in new]),
+            (self.side_on, [rp.side_codes for rp, _ in new]),
+            (self.has_spk, [rp.speaker is not None for rp, _ in new]),
+        ]
+        ints = self._upload(np.array([v for _, v in fields], dtype=np.int64), torch.int64)
+        for j, (t, _) in enumerate(fields):
+            t.index_put_((slots,), ints[j].to(t.dtype))
+        floats = self._upload(
+            np.array([[rp.temperature, rp.top_p, rp.penalty] for rp, _ in new], dtype=np.float32).T, torch.float32
+        )
+        for j, t in enumerate((self.temperature, self.top_p, self.penalty)):
+            t.index_put_((slots,), floats[j])
         hidden = self.speaker.shape[1]
         spk = np.zeros((len(new), hidden), dtype=np.float32)
         for j, (rp, _) in enumerate(new):
