@@ -95,8 +95,9 @@ class EngineConfig:
     """vLLM GPU memory fraction."""
     enforce_eager: bool = True
     """vLLM: no torch.compile / CUDA graphs (fast start on CPU; turn off on GPU)."""
-    async_scheduling: bool = False
-    """vLLM async scheduling (GPU only)."""
+    async_scheduling: bool = True
+    """vLLM async scheduling (GPU only; ignored on CPU): step N+1 is scheduled while step N runs
+    (the step never reads the device from the host, so they overlap)."""
     data_parallel_size: int = 1
     """vLLM data parallelism: this many independent engine replicas (one GPU each, each with its own
     KV cache and scheduler) behind the one gateway; vLLM's client spreads requests over them by load.
