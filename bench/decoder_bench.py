@@ -143,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    import engine  # noqa: F401  (torch companion shim)
+    from engine._compat import ensure_torch_companions
+
+
+    ensure_torch_companions()  # before anything imports transformers, vocos or chattts
     from engine.decoder.nets import load_vocoder
     from engine.decoder.streaming import DecodeJob, StreamingVocoder
     from engine.decoder.window import ChunkPolicy

@@ -256,7 +256,9 @@ class StockEngine:
 def ensure_checkpoint(args: argparse.Namespace) -> Path:
     """The checkpoint's code-engine files (GPT, Embed, tokenizer): written with random weights
     when missing; without the upstream package (bare GPU hosts) only those files."""
-    import engine  # noqa: F401  (torch companion shim)
+    from engine._compat import ensure_torch_companions
+
+    ensure_torch_companions()  # before anything imports transformers, vocos or chattts
     from engine.checkpoint import GPT_FILES, make_checkpoint, make_gpt_checkpoint
 
     model_dir = Path(args.model_dir).expanduser()

@@ -33,7 +33,10 @@ def make_deep_tiny_checkpoint(out_dir: str) -> Path:
     """Tiny widths, full DVAE/Vocos depth: the exact lookahead (52 steps) of the real model."""
     from dataclasses import replace
 
-    import engine  # noqa: F401
+    from engine._compat import ensure_torch_companions
+
+
+    ensure_torch_companions()  # before anything imports transformers, vocos or chattts
     from engine.checkpoint import TINY, make_checkpoint
 
     return make_checkpoint(out_dir, size=replace(TINY, dvae_layers=12, vocos_layers=8), seed=0)
@@ -129,7 +132,9 @@ async def _lag_monitor(trace: Trace, stop: asyncio.Event) -> None:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    import engine  # noqa: F401
+    from engine._compat import ensure_torch_companions
+
+    ensure_torch_companions()  # before anything imports transformers, vocos or chattts
     from gateway.app import serve
     from loadtest.plan import ScenarioParams
     from loadtest.runner import run_scenario

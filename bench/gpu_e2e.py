@@ -1034,7 +1034,9 @@ def serve_native_main(argv: Sequence[str]) -> int:
     logging.getLogger("chattts").setLevel(logging.WARNING)
 
     async def main() -> None:
-        import engine  # noqa: F401  (torch companion shim)
+        from engine._compat import ensure_torch_companions
+
+        ensure_torch_companions()  # before anything imports transformers, vocos or chattts
         from engine.api import SamplingParams, SpeechRequest
         from gateway.app import serve
         from loadtest.baseline import NativePipelineSpeech

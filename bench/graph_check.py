@@ -88,7 +88,9 @@ def write(path: Path, text: str) -> None:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    import engine  # noqa: F401  (torch companion shim)
+    from engine._compat import ensure_torch_companions
+
+    ensure_torch_companions()  # before anything imports transformers, vocos or chattts
 
     model_dir = Path(args.model_dir)
     eager, eager_start = await run_engine(model_dir, args, eager=True)

@@ -411,7 +411,10 @@ def make_checkpoint(
     from vocos.heads import ISTFTHead
     from vocos.models import VocosBackbone
 
-    import engine  # noqa: F401  (torch companion shim before vocos/chattts/transformers)
+    from engine._compat import ensure_torch_companions
+
+
+    ensure_torch_companions()  # before anything imports transformers, vocos or chattts
 
     spec = SIZES[size] if isinstance(size, str) else size
     out = Path(out_dir)

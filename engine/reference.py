@@ -47,7 +47,10 @@ def load_chat(model_dir: str | Path, device: str = "cpu") -> Any:
     import ChatTTS
     import torch
 
-    import engine  # noqa: F401  (torch companion shim before chattts)
+    from engine._compat import ensure_torch_companions
+
+
+    ensure_torch_companions()  # before anything imports transformers, vocos or chattts
     from engine.checkpoint import FULL, load_spec, sha256_map, speaker_stat, upstream_configs
 
     spec = load_spec(model_dir)

@@ -208,7 +208,9 @@ def generated_model_dir(size: Literal["tiny", "small"] = "tiny") -> str:
 
 
 async def _child(args: argparse.Namespace) -> None:
-    import engine  # noqa: F401  (torch companion shim)
+    from engine._compat import ensure_torch_companions
+
+    ensure_torch_companions()  # before anything imports transformers, vocos or chattts
     from gateway.app import serve
 
     if args.engine in ("vllm", "native") and not args.model_dir:

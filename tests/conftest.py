@@ -28,7 +28,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-import engine  # noqa: F401  (torch companion shim before anything imports transformers)
+from engine._compat import ensure_torch_companions
+
+ensure_torch_companions()  # before anything imports transformers, vocos or chattts
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

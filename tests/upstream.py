@@ -11,8 +11,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import engine  # noqa: F401  (torch companion shim)
+from engine._compat import ensure_torch_companions
 from engine.checkpoint import load_spec, sha256_map, speaker_stat, upstream_configs
+
+ensure_torch_companions()  # before anything imports transformers, vocos or chattts
 
 
 def load_upstream_chat(model_dir: str | Path, device: str = "cpu"):  # -> ChatTTS.Chat

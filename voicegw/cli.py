@@ -103,7 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # loadtest and bench hand every argument to their own parsers; argparse's REMAINDER does not
+    # take an option in first place (``voicegw loadtest --help``), so collect those too.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if getattr(args, "command", None) not in ("loadtest", "bench"):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.args = [*extra, *args.args]
     if args.command is None:
         parser.print_help()
         return 2
@@ -144,7 +150,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("usage: voicegw bench {engine,decoder,scheduling} [options]  (each has --help)")
             return 2
         import importlib
+        from pathlib import Path
 
+        # bench/ is not installed: it ships with the source checkout, beside voicegw/.
+        root = Path(__file__).resolve().parents[1]
+        if not (root / "bench" / f"{args.which}_bench.py").exists():
+            print("voicegw bench: the benchmarks ship with the source checkout (bench/), not the package")
+            return 2
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
         mod = importlib.import_module(f"bench.{args.which}_bench")
         return int(mod.main(args.args) or 0)
     if args.command == "config-doc":

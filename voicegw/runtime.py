@@ -22,7 +22,9 @@ log = logging.getLogger("voicegw")
 
 def build_speech_engine(cfg: Config) -> SpeechEngine:
     """An unstarted ``SpeechEngine`` for ``cfg.engine`` (see the module docstring)."""
-    import engine  # noqa: F401  (torch companion shim)
+    from engine._compat import ensure_torch_companions
+
+    ensure_torch_companions()  # before anything imports transformers, vocos or chattts
     from engine.model_dir import ModelNotFound, resolve_model_dir
 
     ecfg = cfg.engine

@@ -46,7 +46,10 @@ def _build_engine(kind: str, model_dir: str | None, cfg: Any) -> Any:
     if kind == "vllm":
         import dataclasses
 
-        import engine  # noqa: F401
+        from engine._compat import ensure_torch_companions
+
+
+        ensure_torch_companions()  # before anything imports transformers, vocos or chattts
         from voicegw.runtime import build_speech_engine
 
         ecfg = dataclasses.replace(cfg.engine, backend="vllm", model_dir=model_dir or "", device="cpu")

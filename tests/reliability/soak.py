@@ -329,7 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine == "vllm" and not model_dir:
         import tempfile
 
-        import engine  # noqa: F401
+        from engine._compat import ensure_torch_companions
+
+
+        ensure_torch_companions()  # before anything imports transformers, vocos or chattts
         from engine.checkpoint import make_checkpoint
 
         model_dir = str(make_checkpoint(Path(tempfile.mkdtemp(prefix="soak-ckpt-")) / "tiny", "tiny", seed=0))

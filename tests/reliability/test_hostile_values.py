@@ -72,7 +72,9 @@ def test_largest_bomb_fits_the_protocol() -> None:
 
 @pytest.mark.parametrize("which", ["200MiB", "largest-allowed"])
 def test_speaker_bomb_is_refused_fast_and_small(which: str, bomb: str) -> None:
-    import engine  # noqa: F401
+    from engine._compat import ensure_torch_companions
+
+    ensure_torch_companions()  # before anything imports transformers, vocos or chattts
     from engine.speaker import SpeakerError, resolve_speaker
 
     value = bomb if which == "200MiB" else largest_bomb()
@@ -92,7 +94,10 @@ def test_speaker_string_with_too_many_values_is_refused() -> None:
     """A well-formed embedding of another size (more values than the model's hidden size)."""
     import numpy as np
 
-    import engine  # noqa: F401
+    from engine._compat import ensure_torch_companions
+
+
+    ensure_torch_companions()  # before anything imports transformers, vocos or chattts
     from engine.checkpoint import encode_speaker
     from engine.speaker import SpeakerError, resolve_speaker
 
@@ -108,7 +113,10 @@ def test_real_speaker_strings_are_short() -> None:
     """What a real embedding costs: the cap proposed for ``voice`` leaves room to spare."""
     import numpy as np
 
-    import engine  # noqa: F401
+    from engine._compat import ensure_torch_companions
+
+
+    ensure_torch_companions()  # before anything imports transformers, vocos or chattts
     from engine.checkpoint import decode_speaker, encode_speaker
 
     rng = np.random.default_rng(0)
