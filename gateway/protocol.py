@@ -379,6 +379,10 @@ def encode(message: dict[str, Any]) -> bytes:
     return orjson.dumps(message)
 
 
+#: Longest client-chosen field name echoed in an error (a longer key is cut, with an ellipsis).
+MAX_FIELD_ECHO_CHARS = 64
+
+
 def error_message(code: ErrorCode, *, field: str | None = None, msg_id: JsonScalar = None,
                   utterance_id: int | None = None, retry_after_ms: int | None = None) -> dict[str, Any]:
     msg: dict[str, Any] = {
@@ -388,7 +392,7 @@ def error_message(code: ErrorCode, *, field: str | None = None, msg_id: JsonScal
         "fatal": code in FATAL_ERRORS,
     }
     if field is not None:
-        msg["field"] = field
+        msg["field"] = field if len(field) <= MAX_FIELD_ECHO_CHARS else field[: MAX_FIELD_ECHO_CHARS - 1] + "…"
     if msg_id is not None:
         msg["id"] = msg_id
     if utterance_id is not None:

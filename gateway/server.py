@@ -428,6 +428,7 @@ class _Connection:
     async def run(self) -> None:
         self.log.info("connected from %s", self.ws.remote_address)
         writer = asyncio.create_task(self._writer())
+        self._rearm_timer()  # the idle timer runs from the handshake, not from the first message
         try:
             async for message in self.ws:
                 if isinstance(message, str):

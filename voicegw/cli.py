@@ -65,17 +65,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_flags(s)
 
-    s = sub.add_parser("say", help="speak TEXT through a running gateway and write a WAV file")
+    s = sub.add_parser("say", help="speak TEXT through a running gateway and write a WAV file",
+                       description="Speak TEXT through a running gateway (start one with `voicegw serve`).")
     s.add_argument("text", help="text to speak")
     s.add_argument("-o", "--output", required=True, help="output WAV path")
-    s.add_argument("--url", default=_DEFAULT_URL, help=f"gateway WebSocket URL [default: {_DEFAULT_URL}]")
+    s.add_argument("--url", default=None, help=f"gateway WebSocket URL [default: {_DEFAULT_URL}]")
+    s.add_argument("--port", type=int, default=None, help="gateway port on 127.0.0.1 (what `serve --port` used)")
     s.add_argument("--voice", default=None, help="voice/speaker (seed or encoded embedding)")
     s.add_argument("--sample-rate", type=int, default=24000, help="8000, 16000, 24000 or 48000 [default: 24000]")
     s.add_argument("--token", default=None, help="bearer token")
     s.add_argument("--play", action="store_true", help="also play to speakers (needs sounddevice)")
 
-    s = sub.add_parser("chat", help="interactive: each line typed is streamed to the gateway and spoken")
-    s.add_argument("--url", default=_DEFAULT_URL, help=f"gateway WebSocket URL [default: {_DEFAULT_URL}]")
+    s = sub.add_parser(
+        "chat", help="interactive: each line typed is streamed to the gateway and spoken",
+        description="Each line typed is streamed to a running gateway and spoken; lines queue behind the one "
+                    "speaking. Type /stop to barge in (cancel everything speaking or queued), /quit (or end of "
+                    "input) to leave after the queued speech. With -o, the WAV holds the audio received "
+                    "from the gateway (cancelled audio included up to the cancel), not only what was heard.",
+    )
+    s.add_argument("--url", default=None, help=f"gateway WebSocket URL [default: {_DEFAULT_URL}]")
+    s.add_argument("--port", type=int, default=None, help="gateway port on 127.0.0.1 (what `serve --port` used)")
     s.add_argument("--voice", default=None, help="voice/speaker")
     s.add_argument("--token", default=None, help="bearer token")
     s.add_argument("-o", "--output", default=None, help="also append all audio to this WAV file")
@@ -129,18 +138,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = make_checkpoint(args.out, args.size, seed=args.seed)
         print(f"wrote {args.size} random ChatTTS checkpoint to {out}")
         return 0
-    if args.command == "say":
-        from clients.python import say
+    if args.command in ("say", "chat"):
+        from clients.python import VoicegwError, chat, say
 
-        stats = asyncio.run(
-            say(args.url, args.text, args.output, voice=args.voice, sample_rate_hz=args.sample_rate, token=args.token, play=args.play)
-        )
+        url = args.url or (f"ws://127.0.0.1:{args.port}/ws" if args.port else _DEFAULT_URL)
+        try:
+            if args.command == "chat":
+                return int(asyncio.run(chat(url, voice=args.voice, token=args.token, out_wav=args.output)) or 0)
+            stats = asyncio.run(say(url, args.text, args.output, voice=args.voice, sample_rate_hz=args.sample_rate,
+                                    token=args.token, play=args.play))
+        except VoicegwError as exc:
+            if exc.code == "handshake_failed":
+                print(f"voicegw {args.command}: no gateway answers at {url}: start one with `voicegw serve`"
+                      " (or give --url / --port)", file=sys.stderr)
+            else:
+                print(f"voicegw {args.command}: {exc.code}: {exc.message}", file=sys.stderr)
+            return 1
         print(f"wrote {args.output}: {stats}")
         return 0
-    if args.command == "chat":
-        from clients.python import chat
-
-        return int(asyncio.run(chat(args.url, voice=args.voice, token=args.token, out_wav=args.output)) or 0)
     if args.command == "loadtest":
         from loadtest.__main__ import main as loadtest_main
 

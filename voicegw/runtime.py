@@ -33,8 +33,8 @@ def build_speech_engine(cfg: Config) -> SpeechEngine:
         try:
             model_dir = resolve_model_dir(ecfg.model_dir, allow_download=ecfg.download)
         except ModelNotFound as exc:
-            if backend != "auto":
-                raise
+            if backend != "auto" or ecfg.model_dir or ecfg.download:
+                raise  # a model was asked for: fail, never serve something else in its place
             log.warning(
                 "%s -- serving with the eSpeak NG fallback engine instead of ChatTTS. "
                 "To serve ChatTTS: --model-dir DIR (upstream layout) or --download (needs network).",
@@ -65,9 +65,32 @@ def serve(cfg: Config) -> int:
     from gateway.app import configure_logging, run_gateway
 
     configure_logging(cfg.gateway)
+    problem = _port_problem(cfg.gateway.host, cfg.gateway.port)
+    if problem:  # before the engine's start (tens of seconds), not after
+        log.error("cannot listen on %s:%d: %s", cfg.gateway.host, cfg.gateway.port, problem)
+        return 2
     try:
         speech = build_speech_engine(cfg)
     except Exception as exc:  # noqa: BLE001 - startup failure: one clear line, exit 2
         log.error("cannot start the engine: %s", exc)
         return 2
     return run_gateway(cfg, speech)
+
+
+def _port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (None: it can, as of now)."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        return f"cannot resolve {host!r}: {exc.strerror or exc}"
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as exc:
+                return "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+    return None

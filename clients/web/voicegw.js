@@ -112,6 +112,7 @@ export class VoiceGateway extends EventTarget {
     this._cancelReplies = []; // resolvers of cancel() calls awaiting the server's `cancelled`, FIFO
     this._hold = null; // outgoing messages held while a cancel waits for the worklet
     this._cancelSeq = 0;
+    this._cancelCount = 0;
     this._cancelWaiters = new Map();
     this._sessionWaiter = null;
     this._lastReport = null;
@@ -248,9 +249,19 @@ export class VoiceGateway extends EventTarget {
    */
   async speak(source) {
     if (this._open) this.end().catch(() => {}); // the typed utterance goes first; this one queues behind it
+    const cancelsAtStart = this._cancelCount;
+    let mine = null;
     for await (const piece of textPieces(source)) {
       if (this.closed) break;
+      // Stop means stop: after cancel() no more of the source is read (leaving the loop ends the
+      // source's iterator) and nothing opens a new utterance with the rest of the text.
+      if (this._cancelCount !== cancelsAtStart) break;
       this.sendText(piece);
+      mine = mine || this._open;
+    }
+    if (this._cancelCount !== cancelsAtStart) {
+      if (mine) return mine.promise; // resolves with status "cancelled"
+      return { utteranceId: null, status: "cancelled", cancelled: true, samples: 0, durationMs: 0, heardText: "" };
     }
     return this.end();
   }
@@ -262,6 +273,7 @@ export class VoiceGateway extends EventTarget {
    * Resolves with the server's `cancelled` message.
    */
   cancel() {
+    this._cancelCount += 1; // speak() loops stop reading their sources
     if (!this.ws || this.ws.readyState !== 1) return Promise.resolve(null);
     this._open = null;
     for (const u of this._utterances) u.cancelling = true;

@@ -281,3 +281,61 @@ async def test_demo_stream_as_i_type_and_stop(page: Any, gateway: Any) -> None:
         assert status == "cancelled", (status, reply)
     else:  # a random checkpoint may have finished the utterance before the click
         assert status == "ok", (status, reply)
+
+
+async def test_stop_during_token_stream_stops_reading_and_opens_nothing(page: Any, gateway: Any) -> None:
+    """Stop while an LLM token stream is still arriving: the source is no longer read, no new
+    utterance opens with the rest of the text, speak() resolves "cancelled", and nothing is
+    rendered from 100 ms after the stop on."""
+    await page.goto(gateway.url + "/")
+    long_text = " ".join([TEXT] * 8)
+    out = await page.evaluate(
+        """
+        async (text) => {
+          const { VoiceGateway } = await import("/voicegw.js");
+          const gw = new VoiceGateway(undefined, { sampleRate: 24000 });
+          await gw.connect();
+          const an = new AnalyserNode(gw.ctx, { fftSize: 256 });
+          gw.node.connect(an);
+          const buf = new Float32Array(an.fftSize);
+          const peak = () => { an.getFloatTimeDomainData(buf); return buf.reduce((m, x) => Math.max(m, Math.abs(x)), 0); };
+          let stopped = false, yieldedAfterStop = 0, yielded = 0;
+          const words = text.match(/\\s*\\S+/g);
+          const source = (async function* () {
+            for (const w of words) {
+              await new Promise((r) => setTimeout(r, 60));
+              if (stopped) yieldedAfterStop++;
+              yielded++;
+              yield w;
+            }
+          })();
+          const sent = [];
+          const send = gw._send.bind(gw);
+          gw._send = (m) => { if (stopped) sent.push(m); return send(m); };
+          const speaking = gw.speak(source);
+          await new Promise((resolve) => {
+            const h = (e) => { if (e.detail.playedSamples > 4800) { gw.removeEventListener("report", h); resolve(); } };
+            gw.addEventListener("report", h);
+          });
+          stopped = true;
+          const t0 = performance.now();
+          await gw.cancel();
+          while (performance.now() - t0 < 100) await new Promise((r) => setTimeout(r, 5));
+          let loudAfter = 0;
+          while (performance.now() - t0 < 1600) {
+            loudAfter = Math.max(loudAfter, peak());
+            await new Promise((r) => setTimeout(r, 5));
+          }
+          const result = await speaking;
+          await gw.close();
+          return { result, loudAfter, yieldedAfterStop, yielded, total: words.length,
+                   sentAfterStop: sent.map((m) => m.type + (m.id ? ":new" : "")) };
+        }
+        """,
+        long_text,
+    )
+    assert out["yielded"] < out["total"], "the stream ended before the stop: the test proves nothing"
+    assert out["result"]["status"] == "cancelled" and out["result"]["cancelled"] is True, out["result"]
+    assert out["loudAfter"] == 0, f"audio rendered from 100 ms after stop: peak {out['loudAfter']}"
+    assert out["yieldedAfterStop"] <= 1, "the token source kept being read after stop"
+    assert not [m for m in out["sentAfterStop"] if m.startswith("text.")], out["sentAfterStop"]

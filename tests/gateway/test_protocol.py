@@ -76,6 +76,16 @@ def test_error_id_is_echoed_when_valid():
                    "fatal": False, "field": "text", "id": "abc"}
 
 
+def test_error_field_echo_is_bounded():
+    """A client-chosen key comes back cut to a bounded length (a 65,000-character key used to come
+    back whole, in a 65 KB error)."""
+    long_key = "k" * 65_000
+    msg = P.error_message(P.ErrorCode.INVALID_FIELD, field=f"options.{long_key}")
+    assert len(msg["field"]) == P.MAX_FIELD_ECHO_CHARS and msg["field"].startswith("options.k")
+    assert len(P.encode(msg)) < 512
+    assert P.error_message(P.ErrorCode.INVALID_FIELD, field="text")["field"] == "text"
+
+
 def test_every_error_code_has_fixed_text_and_fatality():
     assert set(P.ERROR_MESSAGES) == set(P.ErrorCode)
     assert P.FATAL_ERRORS <= set(P.ErrorCode)

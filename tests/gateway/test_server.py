@@ -269,6 +269,18 @@ async def test_idle_session_is_closed(fake_engine: FakeSpeechEngine, make_gatewa
         assert c.ws.close_code == 1000 and c.ws.close_reason == "idle"
 
 
+async def test_silent_connection_is_closed_for_idleness(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
+    """A client that connects and never sends a message (its library still answers pings) must
+    not hold a session seat forever: the idle timer runs from the handshake."""
+    async with make_gateway(fake_engine, limits={"idle_timeout_s": 0.3}) as server:
+        async with connect(server.ws_url, subprotocols=[Subprotocol(P.SUBPROTOCOL)], compression=None) as ws:
+            t0 = time.monotonic()
+            with pytest.raises(ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 3)
+            assert time.monotonic() - t0 < 2.0
+            assert ws.close_code == 1000 and ws.close_reason == "idle"
+
+
 async def test_auth_origin_and_capacity(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
     gw = {"auth_tokens": ("s3cret",)}
     async with make_gateway(fake_engine, gateway=gw, limits={"max_sessions": 2}) as server:

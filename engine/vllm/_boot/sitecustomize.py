@@ -6,8 +6,13 @@ work even where the ``vllm.general_plugins`` entry point is not installed (sourc
 """
 
 import os
+import sys
 
-if os.environ.get("VOICEGW_VLLM_BOOT") == "1":
+# Only the processes vLLM runs need it: multiprocessing's resource tracker (started while the
+# variable is set) would otherwise import torch and vLLM for nothing (~600 MB resident).
+_SKIP = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+if os.environ.get("VOICEGW_VLLM_BOOT") == "1" and not any(s in " ".join(getattr(sys, "orig_argv", ())) for s in _SKIP):
     try:
         from engine.vllm._env import prepare
 
