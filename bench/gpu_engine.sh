@@ -37,6 +37,7 @@ for f in "$OUT"/spy-*.txt; do
   [ -f "$f" ] || continue
   python3 .gpukit/spy_summary.py "$f" EngineCore run_busy_loop 6 > "${f%.txt}.core" 2>&1
   python3 .gpukit/spy_summary.py "$f" engine_bench "" 5 > "${f%.txt}.front" 2>&1
+  python3 -m bench.spy_share "$f" >> "${f%.txt}.core" 2>&1
 done
 grep -E "^(vllm|stock) |ratio|^ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$|start-up" "$OUT"/engine*.log | tail -30
 tail -5 "$OUT/dmon.txt"

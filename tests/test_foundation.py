@@ -154,7 +154,9 @@ def test_cli_version_and_bad_config() -> None:
 
 
 def test_serve_without_weights_falls_back_to_espeak(tmp_path: Path) -> None:
-    """`voicegw serve` with no ChatTTS weights and no network still serves real speech."""
+    """`voicegw serve` with no ChatTTS weights and no network still serves real speech (no model
+    asked for: the default directory is empty; an explicit --model-dir that does not load fails
+    instead, tests/test_cli_errors.py)."""
     import json
     import socket
     import time
@@ -165,7 +167,7 @@ def test_serve_without_weights_falls_back_to_espeak(tmp_path: Path) -> None:
         port = s.getsockname()[1]
     env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "voicegw.cli", "serve", "--port", str(port), "--model-dir", str(tmp_path / "none")],
+        [sys.executable, "-m", "voicegw.cli", "serve", "--port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
