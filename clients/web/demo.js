@@ -35,6 +35,31 @@ function settingsKey() {
   return `${voiceValue()}|${$("rate").value}`;
 }
 
+const HISTORY_ITEMS = 5;
+
+/** The page's feedback when the gateway cannot be reached: the pill, an alert line, the log. */
+function showConnectError(err) {
+  const msg = err && err.message ? err.message : String(err);
+  $("conn").textContent = "unreachable";
+  $("conn").className = "pill off";
+  const el = $("conn-error");
+  el.textContent = `Cannot reach the gateway (${msg}). Is \`voicegw serve\` running? Press a button to try again.`;
+  el.hidden = false;
+  log(`cannot connect: ${msg}`);
+}
+
+/** ensureConnected() for button handlers: null (and the page says why) when it fails. */
+async function connectOrReport() {
+  try {
+    const gw = await ensureConnected();
+    $("conn-error").hidden = true;
+    return gw;
+  } catch (err) {
+    showConnectError(err);
+    return null;
+  }
+}
+
 async function ensureConnected() {
   if (demo.gw && !demo.gw.closed && demo.key === settingsKey()) {
     await demo.gw.resumeAudio();
@@ -101,6 +126,7 @@ function wire(gw) {
     log(`utterance ${e.detail.utterance_id} ${e.detail.status}: ${e.detail.duration_ms} ms in ${e.detail.segments} segments`),
   );
   gw.addEventListener("cancelled", (e) => {
+    $("segment-text").textContent = ""; // nothing is speaking after a stop
     $("heard").textContent = e.detail.heard_text || "";
     log(`cancelled: played ${e.detail.played_ms} of ${e.detail.sent_ms} ms sent`);
   });
@@ -117,6 +143,13 @@ function track(promise) {
     .then((r) => {
       if (!r) return r;
       demo.results.push(r);
+      // the meters above follow the utterance playing now; this line keeps the finished ones
+      const done = demo.results.filter((x) => x.status !== "error").slice(-HISTORY_ITEMS).reverse();
+      $("history").textContent =
+        "recent: " +
+        done
+          .map((x) => `${x.status} · TTFA ${x.ttfaMs == null ? "–" : Math.round(x.ttfaMs)} ms · ${Math.round(x.durationMs)} ms`)
+          .join("  |  ");
       log(`spoken: ${Math.round(r.durationMs)} ms, status ${r.status}, ttfa ${Math.round(r.ttfaMs ?? NaN)} ms, underruns ${r.underruns}`);
       return r;
     })
@@ -150,12 +183,14 @@ demo.simulatedLlm = simulatedLlm;
 $("voice").addEventListener("change", () => ($("voice-custom").hidden = $("voice").value !== "custom"));
 
 $("speak").addEventListener("click", async () => {
-  const gw = await ensureConnected();
+  const gw = await connectOrReport();
+  if (!gw) return;
   demo.pending = track(gw.speak($("text").value));
 });
 
 $("simulate").addEventListener("click", async () => {
-  const gw = await ensureConnected();
+  const gw = await connectOrReport();
+  if (!gw) return;
   log("simulating an LLM token stream");
   demo.pending = track(gw.speak(simulatedLlm($("text").value)));
 });
@@ -174,7 +209,7 @@ const typed = { sentLen: 0, open: false };
 
 $("stream-typing").addEventListener("change", async () => {
   typed.sentLen = $("text").value.length;
-  if ($("stream-typing").checked) await ensureConnected();
+  if ($("stream-typing").checked) await connectOrReport();
   else endTyped();
 });
 
@@ -190,7 +225,8 @@ $("text").addEventListener("input", async () => {
     typed.sentLen = value.length; // deletions cannot be unsaid
     return;
   }
-  const gw = await ensureConnected();
+  const gw = await connectOrReport();
+  if (!gw) return;
   const delta = value.slice(typed.sentLen);
   typed.sentLen = value.length;
   if (delta) {

@@ -339,3 +339,32 @@ async def test_stop_during_token_stream_stops_reading_and_opens_nothing(page: An
     assert out["loudAfter"] == 0, f"audio rendered from 100 ms after stop: peak {out['loudAfter']}"
     assert out["yieldedAfterStop"] <= 1, "the token source kept being read after stop"
     assert not [m for m in out["sentAfterStop"] if m.startswith("text.")], out["sentAfterStop"]
+
+
+async def test_demo_page_says_when_the_gateway_is_unreachable(page: Any, gateway: Any) -> None:
+    """Speak with the gateway down: the page says so (pill, alert line, log) instead of an
+    uncaught promise rejection; the finished-utterance history is kept beside the live meters."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # nothing listens here once the socket is closed
+    await page.goto(f"{gateway.url}/?url=ws://127.0.0.1:{dead}/ws")
+    await page.wait_for_function("window.voicegwDemo && window.voicegwDemo.ready")
+    await page.click("#speak")
+    await page.wait_for_function("!document.getElementById('conn-error').hidden", timeout=10_000)
+    assert "Cannot reach the gateway" in (await page.text_content("#conn-error") or "")
+    assert (await page.text_content("#conn")) == "unreachable"
+    assert "cannot connect" in (await page.text_content("#log") or "")
+    # the browser itself logs the refused WebSocket; anything else (an uncaught rejection) fails
+    page.errors[:] = [e for e in page.errors if "WebSocket connection to" not in e]
+    assert not page.errors, page.errors
+
+    # the real gateway: the history line keeps the finished utterance's figures
+    await page.goto(f"{gateway.url}/?prebuffer={PREBUFFER_MS}")
+    await page.wait_for_function("window.voicegwDemo && window.voicegwDemo.ready")
+    await page.fill("#text", "Short demo sentence.")
+    await page.click("#speak")
+    await page.wait_for_function("window.voicegwDemo.results.length >= 1", timeout=20_000)
+    history = await page.text_content("#history") or ""
+    assert history.startswith("recent: ok · TTFA "), history
