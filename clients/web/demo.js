@@ -15,6 +15,7 @@ const demo = {
   lastTtfaMs: null,
   lastPlayStartMs: null,
   connecting: null,
+  captionLog: [], // {text, at, consumed, t}: when each caption was shown (tests read it)
 };
 window.voicegwDemo = demo;
 
@@ -110,7 +111,24 @@ function wire(gw) {
     demo.lastPlayStartMs = e.detail.ms;
     $("playstart").textContent = e.detail.ms == null ? "–" : Math.round(e.detail.ms);
   });
-  gw.addEventListener("segment", (e) => ($("segment-text").textContent = e.detail.text));
+  // Captions follow the playhead: a segment's text shows when the player reaches its first sample
+  // (segment.started comes right before that sample arrives; the player reports how far into the
+  // received stream it is, cancelled audio included), not when the server starts sending it.
+  const captions = [];
+  gw.addEventListener("segment", (e) => {
+    captions.push({ at: gw.stats.receivedSamples, text: e.detail.text });
+    if (captions.length > 64) captions.shift();
+  });
+  gw.addEventListener("report", (e) => {
+    const consumed = e.detail.consumedSamples;
+    while (captions.length && consumed != null && captions[0].at <= consumed) {
+      const c = captions.shift();
+      $("segment-text").textContent = c.text;
+      demo.captionLog.push({ text: c.text, at: c.at, consumed, t: performance.now() });
+      if (demo.captionLog.length > 64) demo.captionLog.shift();
+    }
+  });
+  gw.addEventListener("cancelled", () => (captions.length = 0));
   gw.addEventListener("report", (e) => {
     const d = e.detail;
     $("buffered").textContent = Math.round(d.bufferedMs);

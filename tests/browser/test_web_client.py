@@ -368,3 +368,18 @@ async def test_demo_page_says_when_the_gateway_is_unreachable(page: Any, gateway
     await page.wait_for_function("window.voicegwDemo.results.length >= 1", timeout=20_000)
     history = await page.text_content("#history") or ""
     assert history.startswith("recent: ok · TTFA "), history
+
+
+async def test_demo_caption_follows_the_playhead(page: Any, gateway: Any) -> None:
+    """The "speaking:" caption changes when the player reaches the segment, not when the server
+    starts sending it (it used to run ~2 s ahead of the audio)."""
+    await page.goto(f"{gateway.url}/?prebuffer={PREBUFFER_MS}")
+    await page.wait_for_function("window.voicegwDemo && window.voicegwDemo.ready")
+    await page.fill("#text", "The first sentence is here. And here comes the second one.")
+    await page.click("#speak")
+    await page.wait_for_function("window.voicegwDemo.results.length >= 1", timeout=30_000)
+    log = await page.evaluate("window.voicegwDemo.captionLog")
+    segments = await page.evaluate("window.voicegwDemo.events.filter(e => e.type == 'segment').length")
+    assert len(log) == segments >= 2, (log, segments)
+    assert all(c["consumed"] >= c["at"] for c in log), log
+    assert log[1]["at"] > 0, "the second caption waits for its audio"
