@@ -523,6 +523,12 @@ class ResumableCodes:
                     else:
                         self.preemptions += 1
                     prefix = np.concatenate(self._parts) if self._parts else None
+                    if prefix is not None and len(prefix) >= int(self.request.params.max_new_tokens):
+                        # every step arrived before the abort took effect: finished, not resumed
+                        self._finished = True
+                        q.put_nowait(CodeFrames(request_id=self.rid, codes=prefix[:0], finished=True,
+                                                finish_reason="length"))
+                        break
                     self.engine_rid = f"{self.rid}.p{self.preemptions + self.requeues}"
                     req = dataclasses.replace(
                         self.request, request_id=self.engine_rid, priority=prio, prefix_codes=prefix

@@ -215,7 +215,7 @@ $("simulate").addEventListener("click", async () => {
 
 $("stop").addEventListener("click", async () => {
   if (!demo.gw) return;
-  typed.sentLen = $("text").value.length;
+  typed.sent = $("text").value;
   const t0 = performance.now();
   const reply = await demo.gw.cancel();
   demo.lastCancel = { reply, ms: performance.now() - t0 };
@@ -223,10 +223,23 @@ $("stop").addEventListener("click", async () => {
 
 // ---- stream as I type ----------------------------------------------------------------------
 
-const typed = { sentLen: 0, open: false };
+// What an edit does: text typed at the end streams into the open utterance. An edit of text that
+// was already sent (a deletion, typing over a selection, an insertion before the end) cannot be
+// unsaid: the open utterance ends with what was sent, and the text from the edit point on is
+// sent as a new utterance (a deletion alone sends nothing; what is typed next starts the new one).
+const typed = { sent: "", open: false, editAt: null };
+
+// Where the coming edit starts (before the browser applies it): the selection's start, or the
+// character before the caret for a backspace.
+$("text").addEventListener("beforeinput", (e) => {
+  const el = $("text");
+  let at = Math.min(el.selectionStart, el.selectionEnd);
+  if (el.selectionStart === el.selectionEnd && e.inputType === "deleteContentBackward") at = Math.max(0, at - 1);
+  typed.editAt = at;
+});
 
 $("stream-typing").addEventListener("change", async () => {
-  typed.sentLen = $("text").value.length;
+  typed.sent = $("text").value;
   if ($("stream-typing").checked) await connectOrReport();
   else endTyped();
 });
@@ -238,17 +251,28 @@ function endTyped() {
 
 $("text").addEventListener("input", async () => {
   if (!$("stream-typing").checked) return;
+  // read everything about this edit before awaiting: the next keystroke may come meanwhile
   const value = $("text").value;
-  if (value.length < typed.sentLen) {
-    typed.sentLen = value.length; // deletions cannot be unsaid
+  const sent = typed.sent;
+  const at = typed.editAt ?? sent.length;
+  typed.editAt = null;
+  typed.sent = value;
+  let delta;
+  let edited = false;
+  if (at >= sent.length && value.startsWith(sent)) {
+    delta = value.slice(sent.length);
+  } else {
+    edited = true; // an edit of sent text: the open utterance ends with what was sent
+    delta = value.slice(Math.min(at, value.length));
+  }
+  if (edited) endTyped();
+  const gw = await connectOrReport();
+  if (!gw) {
+    typed.sent = sent; // nothing went out: retry this text with the next edit
     return;
   }
-  const gw = await connectOrReport();
-  if (!gw) return;
-  const delta = value.slice(typed.sentLen);
-  typed.sentLen = value.length;
   if (delta) {
-    gw.sendText(delta);
+    gw.sendText(delta); // opens a new utterance when none is open
     typed.open = true;
   }
 });
@@ -257,7 +281,7 @@ $("text").addEventListener("keydown", (e) => {
   if ($("stream-typing").checked && e.key === "Enter" && !e.shiftKey) {
     e.preventDefault();
     if (demo.gw) demo.gw.sendText(" ");
-    typed.sentLen = $("text").value.length;
+    typed.sent = $("text").value;
     endTyped();
   }
 });

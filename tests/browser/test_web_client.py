@@ -383,3 +383,36 @@ async def test_demo_caption_follows_the_playhead(page: Any, gateway: Any) -> Non
     assert len(log) == segments >= 2, (log, segments)
     assert all(c["consumed"] >= c["at"] for c in log), log
     assert log[1]["at"] > 0, "the second caption waits for its audio"
+
+
+async def test_demo_stream_as_i_type_edit_starts_a_new_utterance(page: Any, gateway: Any) -> None:
+    """Typing over a selection of text already sent: the open utterance ends with what was sent,
+    and the new text (from the edit point on) goes out as a new utterance, whole (typing over a
+    selection used to drop its first character: "he weather" for "The weather")."""
+    await page.goto(f"{gateway.url}/?prebuffer={PREBUFFER_MS}")
+    await page.wait_for_function("window.voicegwDemo && window.voicegwDemo.ready")
+    await page.fill("#text", "")
+    await page.check("#stream-typing")
+    await page.wait_for_function("window.voicegwDemo.gw && window.voicegwDemo.gw.session")
+    await page.evaluate(
+        """() => {
+          const gw = window.voicegwDemo.gw;
+          window.sentLog = [];
+          const send = gw._send.bind(gw);
+          gw._send = (m) => { window.sentLog.push(m); return send(m); };
+        }"""
+    )
+    await page.focus("#text")
+    await page.keyboard.type("The weather is nice", delay=10)
+    await page.keyboard.press("Control+A")
+    await page.keyboard.type("The storm comes", delay=10)
+    await page.keyboard.press("Enter")
+    sent = await page.evaluate("window.sentLog")
+    utterances: list[str] = []
+    for m in sent:
+        if m["type"] == "text.delta":
+            if "id" in m:
+                utterances.append("")
+            utterances[-1] += m["text"]
+    assert utterances[0] == "The weather is nice", sent
+    assert [u.strip() for u in utterances[1:]] == ["The storm comes"], sent

@@ -84,3 +84,49 @@ async def test_requeue_refused_once_producing() -> None:
     assert not await codes.requeue(1)
     assert code.submitted == [("s-2-1", 0, 0)]
     await codes.aclose()
+
+
+class LateAbortCodeEngine:
+    """Every frame arrives, and only then the abort takes effect (reported as ``abort``): a
+    requeue that lost the race against the request's last step."""
+
+    def __init__(self, frames: int) -> None:
+        self.codes = np.arange(frames * 4, dtype=np.int64).reshape(frames, 4)
+        self.submitted: list[str] = []
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def abort(self, request_id: str) -> None:
+        self.release.set()
+
+    async def generate(self, request: SpeechRequest) -> AsyncIterator[CodeFrames]:
+        rid = request.request_id
+        self.submitted.append(rid)
+        self.started.set()
+        await self.release.wait()
+        yield CodeFrames(rid, self.codes, finished=False)
+        yield CodeFrames(rid, self.codes[:0], finished=True, finish_reason="abort")
+
+
+async def test_requeue_that_loses_the_race_to_the_last_step_finishes() -> None:
+    """All steps arrived before the abort: the segment ends ("length"), it is not resubmitted
+    with a prefix that leaves no step (the engine would refuse it)."""
+    from engine.api import SamplingParams
+
+    code = LateAbortCodeEngine(frames=6)
+    req = SpeechRequest("s-2-1", "text", priority=40, params=SamplingParams(max_new_tokens=6, min_new_tokens=6))
+    codes = ResumableCodes(code, req)  # type: ignore[arg-type]
+    got: list[CodeFrames] = []
+
+    async def consume() -> None:
+        async for fr in codes:
+            got.append(fr)
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(code.started.wait(), 5)
+    await _until(lambda: codes.awaiting_frames())
+    assert await codes.requeue(10)
+    await asyncio.wait_for(task, 5)
+    assert code.submitted == ["s-2-1"], "resubmitted although every step had arrived"
+    assert sum(len(f.codes) for f in got) == 6
+    assert got[-1].finished and got[-1].finish_reason == "length"
