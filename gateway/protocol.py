@@ -157,6 +157,19 @@ class CloseReason(enum.StrEnum):
     ENGINE_UNAVAILABLE = "engine unavailable"
     INTERNAL_ERROR = "internal error"
     OVER_CAPACITY = "over capacity"
+    PROTOCOL_ERROR = "protocol error"
+    INVALID_DATA = "invalid data"
+    MESSAGE_TOO_BIG = "message too big"
+
+
+#: Fixed reasons for the closes the WebSocket library decides itself (a malformed frame, invalid
+#: UTF-8, an oversize message): its own reason carries exception text, never sent to clients.
+LIBRARY_CLOSE_REASONS: Final[dict[int, CloseReason]] = {
+    1002: CloseReason.PROTOCOL_ERROR,
+    1007: CloseReason.INVALID_DATA,
+    1009: CloseReason.MESSAGE_TOO_BIG,
+    1011: CloseReason.INTERNAL_ERROR,
+}
 
 
 # --------------------------------------------------------------------------------------------

@@ -356,6 +356,7 @@ class GatewayServer:
     # ---- connections --------------------------------------------------------------------
 
     async def _handler(self, ws: ServerConnection) -> None:
+        _fixed_library_close_reasons(ws)
         ws = dialects.adapt(self, ws)  # a dialect connection speaks protocol v1 to _Connection
         if len(self.connections) >= self.config.limits.max_sessions or self.draining:
             code = P.CloseCode.GOING_AWAY if self.draining else P.CloseCode.TRY_AGAIN_LATER
@@ -679,3 +680,19 @@ class _Connection:
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
+
+
+def _fixed_library_close_reasons(ws: ServerConnection) -> None:
+    """Closes that the WebSocket library fails the connection with (a malformed frame, invalid
+    UTF-8, an oversize message) carry a fixed reason (``P.LIBRARY_CLOSE_REASONS``), not the
+    library's exception text. Per connection: the library itself is not patched."""
+    protocol = getattr(ws, "protocol", None)
+    fail = getattr(protocol, "fail", None)
+    if fail is None:
+        return
+
+    def fixed_fail(code: Any, reason: str = "") -> None:
+        fixed = P.LIBRARY_CLOSE_REASONS.get(int(code))
+        fail(code, fixed.value if fixed is not None else "")
+
+    protocol.fail = fixed_fail  # type: ignore[union-attr]
