@@ -569,7 +569,7 @@ class Session:
                 "max_utterance_chars": lim.max_utterance_chars,
                 "max_chars_per_s": lim.max_chars_per_s,
                 "max_messages_per_s": lim.max_messages_per_s,
-                "max_queued_utterances": lim.max_pending_segments,
+                "max_queued_utterances": lim.max_queued_utterances,
                 "idle_timeout_s": lim.idle_timeout_s,
                 "flow_window_ms": lim.flow_window_ms,
             },
@@ -601,7 +601,7 @@ class Session:
             if self.draining:
                 self._error(out, P.ErrorCode.SHUTTING_DOWN, msg_id=msg.id)
                 return
-            if len(self._utterances) >= lim.max_pending_segments:
+            if len(self._utterances) >= lim.max_queued_utterances:
                 self._error(out, P.ErrorCode.QUEUE_FULL, msg_id=msg.id)
                 return
         if (utt.chars if utt else 0) + len(text) > lim.max_utterance_chars:

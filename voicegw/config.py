@@ -90,7 +90,8 @@ class EngineConfig:
     scheduling_policy: str = "priority"
     """vLLM: ``priority`` (deadline-aware, see scheduler) or ``fcfs``."""
     kv_cache_gib: float = 2.0
-    """KV cache size on CPU (``VLLM_CPU_KVCACHE_SPACE``), GiB."""
+    """vLLM KV cache size on CPU, GiB (passed as ``kv_cache_memory_bytes``; a
+    ``VLLM_CPU_KVCACHE_SPACE`` in the environment is removed while vLLM starts, so this wins)."""
     gpu_memory_utilization: float = 0.85
     """vLLM GPU memory fraction."""
     enforce_eager: bool = True
@@ -157,7 +158,9 @@ class SchedulerConfig:
     urgent_buffer_ms: float = 300.0
     """A stream with less audio buffered at the client than this is urgent."""
     priority_levels: int = 8
-    """Number of buffer-level priority buckets for continuing segments."""
+    """Deadline horizon in buckets: a continuing segment's priority is its playback deadline in
+    ``bucket_ms`` units, looking at most ``priority_levels x bucket_ms`` ahead (later deadlines
+    share the last level)."""
     bucket_ms: float = 500.0
     """Width of one priority bucket in ms of client-buffered audio."""
     runway_counts_generating: bool = True
@@ -241,11 +244,13 @@ class LimitsConfig:
     max_messages_per_s: float = 200.0
     """Messages per session per second (token bucket, burst 2x); flood: close 1008."""
     idle_timeout_s: float = 300.0
-    """Close 1000 ("idle") after this long without a client message."""
+    """Close 1000 ("idle") after this long without a client message while no audio is in flight
+    (an open utterance waiting for text does not count), from the handshake on."""
     flow_window_ms: float = 2_000.0
     """Never run further ahead of the client's reported playhead than this (ms of audio)."""
-    max_pending_segments: int = 16
-    """Segments queued per utterance before the engine; beyond it text is refused."""
+    max_queued_utterances: int = 16
+    """Unfinished utterances a session may hold (queued behind the one speaking included); a new
+    utterance beyond it is refused with ``queue_full`` (the wire's ``max_queued_utterances``)."""
 
 
 @dataclass(frozen=True)
@@ -296,7 +301,7 @@ _POSITIVE: set[tuple[str, str]] = {
     ("limits", "max_messages_per_s"),
     ("limits", "idle_timeout_s"),
     ("limits", "flow_window_ms"),
-    ("limits", "max_pending_segments"),
+    ("limits", "max_queued_utterances"),
 }
 
 

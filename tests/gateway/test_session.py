@@ -307,7 +307,7 @@ def test_rate_abuse_closes():
 
 
 def test_queue_full_and_draining():
-    h = Harness(limits={"max_pending_segments": 2})
+    h = Harness(limits={"max_queued_utterances": 2})
     h.start()
     for _ in range(2):
         h.msg({"type": "text.delta", "text": "An utterance."})
