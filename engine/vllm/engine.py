@@ -382,9 +382,9 @@ class VllmCodeEngine:
             prompt["cache_salt"] = salt
         return TokensPrompt(**prompt), sp  # type: ignore[typeddict-item]
 
-    def _frames(self, slot: int, gen: int, k0: int, token_ids: Any) -> tuple[np.ndarray | None, bool, list[int]]:
+    def _frames(self, slot: int, gen: int, k0: int, token_ids: Any) -> tuple[np.ndarray | None, bool]:
         """Delta tokens (frames ``k0..``) -> (codes ``[n, num_vq]`` without EOS or None while an
-        entry is not readable yet, saw_eos, the codebook-0 codes read). Synchronous: this runs
+        entry is not readable yet, saw_eos). Synchronous: this runs
         once per request and step, so the common case creates no coroutine."""
         info = self.info
         t, eos = info.num_text_tokens, info.eos_code
@@ -395,14 +395,14 @@ class VllmCodeEngine:
         if saw_eos:
             codes0 = codes0[: codes0.index(eos)]
         if not codes0:
-            return np.zeros((0, info.num_vq), dtype=np.int64), saw_eos, codes0
+            return np.zeros((0, info.num_vq), dtype=np.int64), saw_eos
         table = self._table
         assert table is not None
         codes = table.read(slot, gen, k0, codes0)
         if codes is not None and eos in codes:  # a side codebook drew EOS (codebook 0 follows it)
             first = int(np.nonzero((codes == eos).any(axis=1))[0][0])
             codes, saw_eos = codes[:first], True
-        return codes, saw_eos, codes0
+        return codes, saw_eos
 
     async def _wait_frames(self, slot: int, gen: int, k0: int, token_ids: Any, stats: dict[str, Any]) -> tuple[np.ndarray, bool]:
         """The entries are written before vLLM copies the token out: only a broken channel waits
@@ -411,7 +411,7 @@ class VllmCodeEngine:
         deadline = time.monotonic() + _FRAME_WAIT_S
         while True:
             await asyncio.sleep(0.0005)
-            codes, saw_eos, _ = self._frames(slot, gen, k0, token_ids)
+            codes, saw_eos = self._frames(slot, gen, k0, token_ids)
             if codes is not None:
                 return codes, saw_eos
             if time.monotonic() > deadline:
@@ -456,7 +456,7 @@ class VllmCodeEngine:
             async for out in stream:
                 comp = out.outputs[0]
                 tokens = comp.token_ids
-                got, saw_eos, _ = self._frames(slot, gen, k, tokens)
+                got, saw_eos = self._frames(slot, gen, k, tokens)
                 if got is None:
                     got, saw_eos = await self._wait_frames(slot, gen, k, tokens, stats)
                 codes = got

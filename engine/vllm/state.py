@@ -131,19 +131,15 @@ class DeviceState:
         self.scratch = slots
         s = slots + 1
         self.codes = torch.zeros((s, frames, num_vq), dtype=torch.int64, device=device)
-        self.n_frames = torch.zeros(s, dtype=torch.int64, device=device)
-        self.prompt_len = torch.zeros(s, dtype=torch.int64, device=device)
-        self.gen = torch.zeros(s, dtype=torch.int64, device=device)
-        self.seed = torch.zeros(s, dtype=torch.int64, device=device)
-        self.temperature = torch.ones(s, dtype=torch.float32, device=device)
-        self.top_p = torch.ones(s, dtype=torch.float32, device=device)
-        self.top_k = torch.zeros(s, dtype=torch.int64, device=device)
-        self.penalty = torch.ones(s, dtype=torch.float32, device=device)
-        self.window = torch.zeros(s, dtype=torch.int64, device=device)
-        self.min_new = torch.zeros(s, dtype=torch.int64, device=device)
-        self.greedy = torch.ones(s, dtype=torch.bool, device=device)
-        self.side_on = torch.ones(s, dtype=torch.bool, device=device)
-        self.has_spk = torch.zeros(s, dtype=torch.bool, device=device)
+
+        def per_slot(dtype: torch.dtype, fill: float | bool) -> torch.Tensor:
+            return torch.full((s,), fill, dtype=dtype, device=device)
+
+        i64, f32, b = torch.int64, torch.float32, torch.bool
+        self.n_frames, self.prompt_len, self.gen, self.seed = (per_slot(i64, 0) for _ in range(4))
+        self.temperature, self.top_p, self.penalty = (per_slot(f32, 1.0) for _ in range(3))
+        self.top_k, self.window, self.min_new = (per_slot(i64, 0) for _ in range(3))
+        self.greedy, self.side_on, self.has_spk = per_slot(b, True), per_slot(b, True), per_slot(b, False)
         self.speaker = torch.zeros((s, hidden), dtype=torch.float32, device=device)
         #: Batch row -> slot (host copy and device copy); rows without a request: scratch.
         self.max_rows = max_rows
