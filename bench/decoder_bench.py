@@ -1,294 +1,338 @@
-"""Streaming decoder benchmark: our decoder vs upstream ChatTTS's re-decode streaming.
+"""The streaming decoder alone: speed of the static-shape forward, and the lookahead table.
 
-Measured on random weights of the released model's shapes (a checkpoint is generated in a
-temporary directory unless ``--model-dir`` is given). Per vocoding path (codes -> DVAE,
-hidden states -> Decoder):
+1. **speed** (``WindowDecoder``, the default window: ``--chunk-steps`` new steps, the exact left
+   context, ``--lookahead`` steps after): ms per forward at each ``--batches`` (inputs copied in,
+   samples copied out, as the decoder process does), and the audio it makes in multiples of real
+   time (``B x chunk_steps / 46.875 / t``). On CUDA the forward is the bucket's CUDA graph in TF32;
+   the baseline in the same run is the same window eager (what every forward cost before static
+   shapes: the host launching each kernel), and a whole-utterance decode of 128 x 200 steps.
+2. **lookahead table** (``--lookaheads``): utterances of ``--steps`` steps streamed the way the
+   gateway streams them (first chunk ``--first-chunk-steps``, then ``--chunk-steps``; the decoder
+   process's own core, ``WorkerCore``), compared with the whole-utterance decode of the same
+   codes: max absolute deviation (and relative to the whole decode's peak), SNR in dB, and the GPT
+   steps before the first audio (first_chunk + lookahead), in ms at ``--step-ms`` per step.
 
-1. utterance cost: one ``--seconds`` utterance decoded (a) whole, once; (b) by our streaming
-   decoder, steps arriving one at a time and pushed by the chunk policy; (c) the way upstream
-   ``Chat.infer(stream=True)`` does it: every 24 steps re-decode the whole prefix and slice
-   off the new tail (first audio after 72 steps; ``stream_speed`` 12000), with upstream's own
-   modules when ``chattts`` is importable (else our whole decode). Ratio (c)/(b), and each
-   output's max deviation from (a).
-2. first audio: GPT steps before the first chunk and the decode time of the forward that
-   emits it, per ``first_chunk_steps``; decode cost per push size (the per-forward overhead).
-3. batched throughput: B streams of ``--seconds`` each, pushed in lockstep (``chunk_steps``
-   per push), one batched forward per round: seconds of audio decoded per wall second.
+Random weights of the released model's shapes (``--model-dir``, else a checkpoint is made in a
+temporary directory), with the layer scales randomised in U(0.2, 1) (``--spice``, the default):
+upstream's random init (DVAE layer scale 1e-6) makes the deep stack nearly an identity and every
+lookahead would look perfect.
 
-Bounded: sizes are capped and ``--budget-s`` stops optional sections when exceeded. Run
-under the shared heavy lock: ``flock /tmp/voicegw-heavy.lock python -m bench.decoder_bench``.
+    python -m bench.decoder_bench --device cuda --json-out out/decoder.json
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
+import json
+import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
 STEPS_PER_S = 24_000 / 512  # 46.875 GPT steps per second of audio
 
 
-def _make_model(tmp: Path) -> Path:
+def make_model(root: Path, spice: bool) -> Path:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from engine._compat import ensure_torch_companions
     from engine.checkpoint import FULL, make_checkpoint
 
-    spec = dataclasses.replace(
-        FULL, gpt_layers=1, gpt_intermediate=256, gpt_vocab=256, dvae_enc_layers=1, dvae_enc_hidden=32
-    )
-    return make_checkpoint(tmp / "full", spec, seed=0)
+    ensure_torch_companions()
+    spec = dataclasses.replace(FULL, gpt_layers=1, gpt_intermediate=256, gpt_vocab=256, dvae_enc_layers=1, dvae_enc_hidden=32)
+    d = make_checkpoint(root / "full", spec, seed=0)
+    if spice:
+        gen = torch.Generator().manual_seed(2)
+        for name in ["DVAE", "Vocos"]:
+            path = d / f"asset/{name}.safetensors"
+            state = load_file(str(path))
+            for k, v in state.items():
+                parts = k.split(".")
+                if (len(parts) == 4 and parts[1] == "decoder_block" and parts[3] == "weight") or parts[-1] == "gamma":
+                    state[k] = 0.2 + 0.8 * torch.rand(v.shape, generator=gen)
+            save_file(state, str(path))
+    return Path(d)
 
 
-def _inputs(uses_codes: bool, step_dim: int, steps: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    if uses_codes:
-        return rng.integers(0, 625, (steps, 4))
-    return rng.normal(size=(steps, step_dim)).astype(np.float32)
+def _timed(fn: Any, sync: Any, n: int) -> float:
+    for _ in range(3):
+        fn()
+    sync()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
 
 
-T = TypeVar("T")
+def speed(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch
+
+    from engine.decoder.window import WindowSpec
+    from engine.decoder.windowed import WindowDecoder
+
+    g = voc.geometry
+    la = g.exact_lookahead_steps if args.lookahead < 0 else args.lookahead
+    spec = WindowSpec(g, args.chunk_steps, la)
+    batches = [int(b) for b in args.batches.split(",")]
+    dec = WindowDecoder(voc, spec, max(batches))
+    t0 = time.perf_counter()
+    dec.warm_up()
+    warm_s = time.perf_counter() - t0
+    sync = torch.cuda.synchronize if dec.cuda else (lambda: None)
+    rng = np.random.default_rng(0)
+    rows = []
+    for b in batches:
+        x = rng.integers(0, 625, (b, spec.window_steps, 4))
+        start = rng.integers(0, 400, b)
+        end = start + spec.window_steps
+        t_graph = _timed(lambda x=x, start=start, end=end: dec.run(x, start, end), sync, args.repeats)
+        xt = torch.from_numpy(x).to(dec.device)
+        st, en = torch.from_numpy(start).to(dec.device), torch.from_numpy(end).to(dec.device)
+        with torch.inference_mode():
+            t_eager = _timed(lambda xt=xt, st=st, en=en: dec._compute(xt, st, en).cpu(), sync, args.repeats)
+        row = {"batch": b, "window_steps": spec.window_steps, "chunk_steps": spec.chunk_steps, "lookahead_steps": la,
+               "ms": round(1e3 * t_graph, 3), "x_real_time": round(b * spec.chunk_steps / STEPS_PER_S / t_graph, 1),
+               "eager_ms": round(1e3 * t_eager, 3), "speedup_vs_eager": round(t_eager / t_graph, 2),
+               "graphs": dec.cuda}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    with torch.inference_mode():
+        xw = torch.from_numpy(rng.integers(0, 625, (128 if dec.cuda else 4, 200, 4))).to(dec.device)
+
+        def whole() -> None:
+            for i in range(xw.shape[0]):
+                voc.decode_whole(xw[i])
+
+        t = _timed(whole, sync, 3)
+    w = {"whole_utterances": int(xw.shape[0]), "steps": 200, "x_real_time": round(xw.shape[0] * 200 / STEPS_PER_S / t, 1),
+         "warm_up_s": round(warm_s, 2)}
+    print(json.dumps(w), flush=True)
+    rows.append(w)
+    return rows
 
 
-def _timed(fn: Callable[..., T], *args: Any) -> tuple[float, T]:
-    t = time.perf_counter()
-    out = fn(*args)
-    return time.perf_counter() - t, out
+def lookahead_table(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch
+
+    from engine.decoder.window import ChunkPolicy, WindowSpec
+    from engine.decoder.windowed import WindowDecoder
+    from engine.decoder.worker import WorkerCore
+
+    g = voc.geometry
+    rng = np.random.default_rng(1)
+    utts = [rng.integers(0, 625, (args.steps, 4)) for _ in range(args.utterances)]
+    wholes = [voc.decode_whole(torch.from_numpy(x)).numpy() for x in utts]
+    out = []
+    for la in [int(v) for v in args.lookaheads.split(",")]:
+        la = min(la, g.exact_lookahead_steps)
+        spec = WindowSpec(g, args.chunk_steps, la)
+        dec = WindowDecoder(voc, spec, 8)
+        dec.warm_up()
+        buf = np.zeros((1, 4 * args.chunk_steps * g.samples_per_step), np.float32)
+        core = WorkerCore(spec, dec.run, buf, 4, np.int64, 8, 4096, 625)
+        policy = ChunkPolicy(args.first_chunk_steps, args.chunk_steps, la)
+        devs, snrs, rels = [], [], []
+        for x, whole in zip(utts, wholes, strict=True):
+            parts: list[np.ndarray] = []
+            decoded = emitted = 0
+            for received in range(1, len(x) + 1):
+                final = received == len(x)
+                while True:  # engine.speech's loop
+                    n = policy.push_steps(received, decoded, final, None)
+                    last = final and decoded + n == received
+                    if not n and not last:
+                        break
+                    target = received if last else max(emitted, policy.emit_steps(decoded + n))
+                    emitted = _push(core, buf, parts, x[decoded : decoded + n], emitted, target, last, decoded == 0)
+                    decoded += n
+                    if last:
+                        break
+            s = np.concatenate(parts)
+            assert s.shape == whole.shape, (s.shape, whole.shape)
+            err = s - whole
+            devs.append(float(np.abs(err).max()))
+            rels.append(float(np.abs(err).max() / max(1e-12, np.abs(whole).max())))
+            snrs.append(float(10 * np.log10(np.sum(whole**2) / max(1e-30, np.sum(err**2)))))
+        first_steps = args.first_chunk_steps + la
+        row = {"lookahead_steps": la, "exact": spec.exact, "max_dev": round(max(devs), 6),
+               "max_dev_rel_peak": round(max(rels), 5), "snr_db_min": round(min(snrs), 1),
+               "snr_db_median": round(statistics.median(snrs), 1), "first_audio_steps": first_steps,
+               "first_audio_gpt_ms": round(first_steps * args.step_ms, 1), "window_steps": spec.window_steps}
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
 
 
-def stream_ours(sv, policy, x: np.ndarray) -> tuple[float, np.ndarray, int, float]:  # type: ignore[no-untyped-def]
-    """Steps arrive one at a time; push when the policy says. Returns (decode seconds, audio,
-    steps before first audio, decode seconds of the forward that emitted the first audio)."""
-    from engine.decoder.streaming import DecodeJob
+def _push(core: Any, buf: np.ndarray, parts: list[np.ndarray], x: np.ndarray, emitted: int, target: int,
+          final: bool, first: bool) -> int:
+    """One ``DecoderStream.push``: the inputs with the first job, jobs of at most ``out_cap`` steps."""
+    from engine.decoder.worker import FLAG_FINAL, FLAG_RESET
 
-    st = sv.open()
-    exact = policy.lookahead_steps >= sv.geometry.exact_lookahead_steps
-    total = 0.0
-    parts = []
-    decoded = 0
-    first_steps, first_dt = -1, 0.0
-    n = len(x)
-    for received in range(1, n + 1):
-        final = received == n
-        if not policy.ready(received, decoded, final):
-            continue
-        emit = None if (exact or final) else policy.emit_steps(received)
-        dt, outs = _timed(sv.decode, [DecodeJob(st, x[decoded:received], final, emit)])
-        out = outs[0]
-        decoded = received
-        total += dt
-        parts.append(out)
-        if first_steps < 0 and len(out):
-            first_steps, first_dt = received, dt
-    return total, np.concatenate(parts), first_steps, first_dt
+    while True:
+        tgt = min(target, emitted + core.out_cap_steps)
+        flags = (FLAG_FINAL if final and tgt == target else 0) | (FLAG_RESET if first else 0)
+        res = core.submit(1, 0, x, tgt, flags)
+        x, first = x[:0], False
+        if res is None:
+            done: list[tuple[int, int, int]] = []
+            while not done:
+                done = core.step()
+            n = done[0][2]
+        else:
+            n = res[1]
+        parts.append(buf[0, :n].copy())
+        emitted = tgt
+        if tgt >= target:
+            return emitted
 
 
-def stream_upstream(decode_whole: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> tuple[float, np.ndarray, float]:
-    """Upstream ``infer(stream=True)``: decode the prefix every 24 steps (and at the end),
-    skip the first 2 yields, emit ``wavs[length : length + 12000]``, finally the rest."""
-    stream_batch, stream_speed, pass_first = 24, 12000, 2
-    n = len(x)
-    total = 0.0
-    length = 0
-    count = 0
-    parts = []
-    first_dt = 0.0
-    ends = list(range(stream_batch, n + 1, stream_batch))
-    if not ends or ends[-1] != n:
-        ends.append(n)  # the generator's final yield with the whole result
-    wav = np.zeros(0, np.float32)
-    for k, end in enumerate(ends):
-        dt, wav = _timed(decode_whole, x[:end])
-        total += dt
-        last = k == len(ends) - 1
-        count += 1
-        if count <= pass_first and not last:
-            continue
-        a, b = length, min(length + stream_speed, len(wav))
-        if not first_dt:
-            first_dt = dt
-        parts.append(wav[a:b])
-        length = b
-    parts.append(wav[length:])  # after the generator: the remaining tail of the last decode
-    return total, np.concatenate(parts), first_dt
+async def _lag_probe(stop: Any, lags: list[float], period_s: float = 0.001) -> None:
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        t = loop.time()
+        await asyncio.sleep(period_s)
+        lags.append(loop.time() - t - period_s)
+
+
+def placement(voc: Any, args: argparse.Namespace, model_dir: Path) -> list[dict[str, Any]]:
+    """Where the decoder runs, seen from the gateway's event loop: the same windows decoded (a) in
+    a worker thread of this process (what the gateway did before: its forwards hold the GIL for
+    their Python and kernel launches) and (b) in the decoder process (``DecoderClient``). Streams
+    push ``chunk_steps`` steps each round; reported: audio decoded (x real time) and the lateness
+    of a 1 ms timer on the loop (p50 / p99 / max), i.e. what every session's sends wait."""
+    import asyncio
+
+    from engine.decoder.client import DecoderClient, DecoderSettings
+    from engine.decoder.window import WindowSpec
+    from engine.decoder.windowed import WindowDecoder
+
+    g = voc.geometry
+    la = g.exact_lookahead_steps if args.lookahead < 0 else args.lookahead
+    streams = int(args.placement_streams)
+    rounds = int(args.placement_rounds)
+    rng = np.random.default_rng(3)
+    xs = [rng.integers(0, 625, (rounds * args.chunk_steps + la, 4)) for _ in range(streams)]
+    out = []
+
+    async def drive(push: Any) -> dict[str, Any]:
+        stop, lags = asyncio.Event(), list[float]()
+        probe = asyncio.create_task(_lag_probe(stop, lags))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(push(i) for i in range(streams)))
+        dt = time.perf_counter() - t0
+        stop.set()
+        await probe
+        lag = sorted(lags)
+        return {"x_real_time": round(streams * rounds * args.chunk_steps / STEPS_PER_S / dt, 1),
+                "loop_lag_p50_ms": round(1e3 * lag[len(lag) // 2], 2),
+                "loop_lag_p99_ms": round(1e3 * lag[int(len(lag) * 0.99)], 2), "loop_lag_max_ms": round(1e3 * lag[-1], 2)}
+
+    async def in_thread() -> dict[str, Any]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        spec = WindowSpec(g, args.chunk_steps, la)
+        dec = WindowDecoder(voc, spec, streams)
+        dec.warm_up()
+        ex = ThreadPoolExecutor(1)
+        loop = asyncio.get_running_loop()
+        w, left = spec.window_steps, spec.left_steps
+        batches = []
+        for r in range(rounds):  # every stream's row of a round in one forward (the best case)
+            a = la + r * args.chunk_steps
+            x = np.zeros((streams, w, 4), np.int64)
+            for i in range(streams):
+                lo = max(0, a - left)
+                x[i, lo - (a - left):] = xs[i][lo : a - left + w]
+            batches.append((x, np.full(streams, a - left), np.full(streams, a + args.chunk_steps + la)))
+
+        async def push(i: int) -> None:
+            if i:
+                return
+            for x, st, en in batches:
+                await loop.run_in_executor(ex, dec.run, x, st, en)
+
+        res = await drive(push)
+        ex.shutdown()
+        return res
+
+    async def in_process() -> dict[str, Any]:
+        c = DecoderClient(DecoderSettings(model_dir=str(model_dir), device=args.device,
+                                          chunk_steps=args.chunk_steps, lookahead_steps=la, max_batch=streams,
+                                          slots=streams, torch_threads=0))
+        await c.start()
+        try:
+            async def push(i: int) -> None:
+                s = c.open_stream()
+                await s.push(xs[i][:la])
+                for r in range(rounds):
+                    a = la + r * args.chunk_steps
+                    await s.push(xs[i][a : a + args.chunk_steps], final=r == rounds - 1)
+
+            return await drive(push)
+        finally:
+            await c.close()
+
+    for name, fn in (("thread", in_thread), ("process", in_process)):
+        row = {"placement": name, "streams": streams, **asyncio.run(fn())}
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.decoder_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-dir", help="checkpoint (upstream layout); default: random full-size in a temp dir")
-    ap.add_argument("--seconds", type=float, default=10.0, help="utterance length (default 10, max 60)")
-    ap.add_argument("--paths", default="codes,hidden", help="vocoding paths: codes (DVAE), hidden (Decoder)")
-    ap.add_argument("--first-chunk-steps", type=int, default=6)
+    ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--no-spice", dest="spice", action="store_false", help="keep the checkpoint's layer scales")
+    ap.add_argument("--device", default="cuda" if os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "" else "cpu")
+    ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--chunk-steps", type=int, default=16)
-    ap.add_argument("--lookahead-steps", type=int, default=-1, help="-1: exact (derived receptive field)")
-    ap.add_argument("--alt-lookaheads", default="0,8,16",
-                    help="provisional lookaheads (steps) also shown in the first-audio table")
-    ap.add_argument("--batches", default="1,8,32", help="batch sizes for the throughput table (max 64)")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    ap.add_argument("--repeats", type=int, default=3, help="repeats of the utterance table (median)")
-    ap.add_argument("--budget-s", type=float, default=600.0, help="skip remaining optional sections after this")
+    ap.add_argument("--first-chunk-steps", type=int, default=6)
+    ap.add_argument("--lookahead", type=int, default=4, help="window of the speed section (-1: exact)")
+    ap.add_argument("--lookaheads", default="0,2,4,8,16,52")
+    ap.add_argument("--steps", type=int, default=200, help="steps per utterance (table)")
+    ap.add_argument("--utterances", type=int, default=8)
+    ap.add_argument("--step-ms", type=float, default=2.0, help="GPT ms per step at 1 stream (table's ms column)")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--sections", default="speed,table,placement")
+    ap.add_argument("--placement-streams", type=int, default=64)
+    ap.add_argument("--placement-rounds", type=int, default=10)
+    ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
-    if not 0 < args.seconds <= 60:
-        ap.error("--seconds must be in (0, 60]")
-    batches = [int(b) for b in args.batches.split(",") if b]
-    if any(not 1 <= b <= 64 for b in batches):
-        ap.error("--batches: each in 1..64")
-
     import torch
 
-    from engine._compat import ensure_torch_companions
-
-
-    ensure_torch_companions()  # before anything imports transformers, vocos or chattts
     from engine.decoder.nets import load_vocoder
-    from engine.decoder.streaming import DecodeJob, StreamingVocoder
-    from engine.decoder.window import ChunkPolicy
 
-    logging.disable(logging.WARNING)
-    torch.set_num_threads(args.threads)
-    t_start = time.perf_counter()
+    if args.device == "cpu":
+        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     tmp = tempfile.TemporaryDirectory(prefix="decoder_bench_")
-    model_dir = Path(args.model_dir) if args.model_dir else _make_model(Path(tmp.name))
-    steps = int(round(args.seconds * STEPS_PER_S))
-    chat: Any = None
-    try:
-        from tests.upstream import load_upstream_chat
-
-        chat = load_upstream_chat(model_dir)
-    except Exception as exc:  # noqa: BLE001 - optional oracle
-        print(f"(upstream chattts unavailable: {exc!r}; emulating with our whole decode)")
-
-    print(f"# decoder bench: {args.seconds:g} s utterances = {steps} steps; torch threads {args.threads}; "
-          f"model {model_dir}")
-    print(f"# our policy: first_chunk_steps {args.first_chunk_steps}, chunk_steps {args.chunk_steps}, "
-          f"lookahead {'exact' if args.lookahead_steps < 0 else args.lookahead_steps}")
-    paths = [p for p in args.paths.split(",") if p]
-    summary: dict[str, dict[str, float]] = {}
-    alt_rows: dict[str, list[tuple[int, int, float, float, float, float]]] = {}
-    vocs = {}
-    for path in paths:
-        voc = load_vocoder(model_dir, use_hidden=(path == "hidden"))
-        vocs[path] = voc
-        g = voc.geometry
-        la = g.exact_lookahead_steps if args.lookahead_steps < 0 else min(args.lookahead_steps, g.exact_lookahead_steps)
-        policy = ChunkPolicy(args.first_chunk_steps, args.chunk_steps, la)
-        sv = StreamingVocoder(voc)
-        x = _inputs(voc.uses_codes, voc.front.step_dim, steps, seed=1)
-        params = sum(p.numel() for p in voc.parameters())
-
-        def whole(xx: np.ndarray, voc=voc) -> np.ndarray:
-            return voc.decode_whole(torch.from_numpy(xx)).numpy()
-
-        def ups_whole(xx: np.ndarray, path: str = path, whole: Callable[[np.ndarray], np.ndarray] = whole) -> np.ndarray:
-            if chat is None:
-                return whole(xx)
-            return chat._decode_to_wavs([torch.from_numpy(xx)], path == "hidden")[0]  # type: ignore[no-any-return]
-
-        rows = []
-        for _ in range(max(1, args.repeats)):
-            t_whole, ref = _timed(whole, x)
-            t_ours, out, first_steps, first_dt = stream_ours(sv, policy, x)
-            t_ups, ups, ups_first_dt = stream_upstream(ups_whole, x)
-            rows.append((t_whole, t_ours, t_ups, first_dt, ups_first_dt))
-        med = [statistics.median(r[i] for r in rows) for i in range(5)]
-        ref = np.asarray(ref)
-        alts = []
-        for alt in [int(a) for a in args.alt_lookaheads.split(",") if a]:
-            if alt >= g.exact_lookahead_steps:
-                continue
-            p_alt = ChunkPolicy(args.first_chunk_steps, args.chunk_steps, alt)
-            t_alt, o_alt, fs_alt, fd_alt = stream_ours(StreamingVocoder(voc), p_alt, x)
-            err = o_alt - ref
-            snr = 10 * np.log10(float((ref**2).sum()) / max(float((err**2).sum()), 1e-30))
-            alts.append((alt, fs_alt, fd_alt * 1e3, t_alt * 1e3, float(np.abs(err).max()), snr))
-        summary[path] = dict(
-            params_m=params / 1e6, whole=med[0], ours=med[1], ups=med[2], first_steps=first_steps,
-            first_ms=med[3] * 1e3, ups_first_ms=med[4] * 1e3,
-            err_ours=float(np.abs(out - ref).max()) if out.shape == ref.shape else float("nan"),
-            err_ups=float(np.abs(ups - ref).max()) if ups.shape == ref.shape else float("nan"),
-            len_ok=float(out.shape == ref.shape), ups_len_ok=float(ups.shape == ref.shape),
-            reach=float(g.reach.right), la=float(la),
-        )
-        alt_rows[path] = alts
-
-    print(f"\n## 1. One utterance: total decode time (median of {max(1, args.repeats)})")
-    print("| path | params | reach (frames) | whole once | ours streaming | upstream re-decode | upstream/ours "
-          "| ours/whole | max err ours | max err upstream |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for path, s in summary.items():
-        print(f"| {path} | {s['params_m']:.1f} M | ±{s['reach']:.0f} | {s['whole']*1e3:.0f} ms | {s['ours']*1e3:.0f} ms "
-              f"| {s['ups']*1e3:.0f} ms | {s['ups']/s['ours']:.1f}x | {s['ours']/s['whole']:.2f}x "
-              f"| {s['err_ours']:.1e} | {s['err_ups']:.1e} |")
-    print("\n## 2. First audio")
-    print("| path | ours: steps before first audio | ours: decode ms of that forward | upstream: steps "
-          "| upstream: decode ms of that re-decode |")
-    print("|---|---|---|---|---|")
-    for path, s in summary.items():
-        print(f"| {path} | {s['first_steps']:.0f} ({args.first_chunk_steps} + lookahead {s['la']:.0f}) "
-              f"| {s['first_ms']:.1f} | 72 | {s['ups_first_ms']:.1f} |")
-    if any(alt_rows.values()):
-        print("\n### 2a. Provisional mode (lookahead below exact; random weights: error numbers are NOT "
-              "indicative of real-model quality)")
-        print("| path | lookahead steps | steps before first audio | decode ms of that forward | total decode ms "
-              "| max err vs whole | SNR vs whole |")
-        print("|---|---|---|---|---|---|---|")
-        for path, alts in alt_rows.items():
-            for alt, fs, fd, tt, me, snr in alts:
-                print(f"| {path} | {alt} | {fs} | {fd:.1f} | {tt:.0f} | {me:.1e} | {snr:.0f} dB |")
-
-    # first_chunk_steps and push size: cost of one forward in steady state
-    path0 = paths[0]
-    voc = vocs[path0]
-    sv = StreamingVocoder(voc)
-    x = _inputs(voc.uses_codes, voc.front.step_dim, 400, seed=2)
-    print(f"\n## 2b. Cost of one forward by push size ({path0}, steady state, median of 5)")
-    print("| steps per push | ms per forward | ms per step of audio | x real time |")
-    print("|---|---|---|---|")
-    for k in (1, 2, 4, 6, 8, 12, 16, 24, 32):
-        st = sv.open()
-        sv.decode([DecodeJob(st, x[:120])])  # warm state past the lookahead
-        times = []
-        pos = 120
-        for _ in range(5):
-            dt, _o = _timed(sv.decode, [DecodeJob(st, x[pos : pos + k])])
-            times.append(dt)
-            pos += k
-        m = statistics.median(times)
-        print(f"| {k} | {m*1e3:.2f} | {m*1e3/k:.2f} | {(k / STEPS_PER_S) / m:.0f} |")
-
-    print("\n## 3. Batched throughput (lockstep pushes of chunk_steps; audio s decoded per wall s)")
-    print("| path | batch | forwards | wall s | audio s | audio s / s | mean ms per forward |")
-    print("|---|---|---|---|---|---|---|")
-    for path in paths:
-        voc = vocs[path]
-        sv = StreamingVocoder(voc)
-        for b in batches:
-            if time.perf_counter() - t_start > args.budget_s:
-                print(f"| {path} | {b} | (skipped: budget {args.budget_s:.0f} s spent) |||||")
-                continue
-            xs = [_inputs(voc.uses_codes, voc.front.step_dim, steps, seed=10 + i) for i in range(b)]
-            states = [sv.open() for _ in range(b)]
-            wall = 0.0
-            samples = 0
-            forwards = 0
-            for a in range(0, steps, args.chunk_steps):
-                fin = a + args.chunk_steps >= steps
-                jobs = [DecodeJob(s, xx[a : a + args.chunk_steps], fin) for s, xx in zip(states, xs, strict=True)]
-                dt, outs = _timed(sv.decode, jobs)
-                wall += dt
-                forwards += 1
-                samples += sum(len(o) for o in outs)
-            audio_s = samples / 24000
-            print(f"| {path} | {b} | {forwards} | {wall:.2f} | {audio_s:.0f} | {audio_s / wall:.0f} "
-                  f"| {wall / forwards * 1e3:.1f} |")
-    print(f"\n(total bench time {time.perf_counter() - t_start:.0f} s)")
+    model_dir = Path(args.model_dir) if args.model_dir else make_model(Path(tmp.name), args.spice)
+    voc = load_vocoder(model_dir, device=args.device)
+    res: dict[str, Any] = {"device": args.device, "model_dir": str(model_dir), "spiced": args.spice and not args.model_dir}
+    if args.device.startswith("cuda"):
+        res["gpu"] = torch.cuda.get_device_name(0)
+    sections = set(args.sections.split(","))
+    if "speed" in sections:
+        res["speed"] = speed(voc, args)
+    if "table" in sections:
+        res["lookahead"] = lookahead_table(voc, args)
+    if "placement" in sections:
+        res["placement"] = placement(voc, args, model_dir)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(res, indent=1))
     tmp.cleanup()
     return 0
 

@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("floor", "e2e", "native", "dp")
+PHASES = ("floor", "e2e", "burst", "native", "dp")
 #: One GPT step is 512 samples at 24 kHz.
 REAL_TIME_STEPS_PER_S = 46.875
 #: Seconds kept free at the end of the budget (gateway shutdown, writing results).
@@ -585,6 +585,8 @@ def run_level(url: str, scenario: str, sessions: int, args: argparse.Namespace, 
         ramp_s=args.ramp if scenario != "closed-loop" else min(args.ramp, 1.0),
         think_s=args.think, tokens_per_s=args.tokens_per_s, utterance_chars=args.utterance_chars,
         seed=args.seed, instant_playback=True,
+        **({"background": args.burst_background, "burst_at_s": args.burst_at,
+            "background_chars": args.burst_background_chars} if scenario == "burst" else {}),
     )
     gpu.reset()
     gpu.sample()
@@ -623,6 +625,9 @@ def run_level(url: str, scenario: str, sessions: int, args: argparse.Namespace, 
         "qps": g["qps"],
         "shared_underruns": result["metrics"].get("shared_underruns"),
         "server_breakdown": result.get("server_breakdown") or {},
+        "roles": {k: {m: v.get(m) for m in ("ttfa_ms", "ttfa_segment_ms", "underruns", "underrun_ms", "underruns_since",
+                                           "underrun_ms_since", "sessions_with_underruns", "utterances", "completed")}
+                  for k, v in (result["metrics"].get("roles") or {}).items()},
         **st,
         "gpu": gpu.snapshot(),
         "server_rss_peak_mib": round(gw.rss.peak_bytes / 2**20, 1) if gw is not None and gw.rss else None,
@@ -661,13 +666,24 @@ def max_realtime(rows: list[dict[str, Any]]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- phases
 
 
+def _has_upstream() -> bool:
+    """``make_checkpoint`` needs upstream ChatTTS (and its vector-quantize, vocos) importable."""
+    code = "import ChatTTS.model.dvae, vocos"
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, check=False).returncode == 0
+
+
 def ensure_checkpoint(args: argparse.Namespace, res: Results) -> None:
     model_dir = Path(args.model_dir)
     t = time.monotonic()
     code = ("import sys; from engine.checkpoint import make_checkpoint, missing_files; from pathlib import Path; "
             "p = Path(sys.argv[1]); m = missing_files(p); "
             "print('reuse' if not m else 'made'); "
-            "m and make_checkpoint(p, sys.argv[2], seed=0)")
+            "m and make_checkpoint(p, sys.argv[2], seed=0)") if _has_upstream() else (
+            "import sys; from engine._compat import ensure_torch_companions; ensure_torch_companions(); "
+            "from engine.checkpoint import make_gpt_checkpoint, make_decoder_assets, missing_files; "
+            "from pathlib import Path; p = Path(sys.argv[1]); m = missing_files(p); "
+            "print('reuse' if not m else 'made without upstream'); "
+            "m and (make_gpt_checkpoint(p, sys.argv[2], seed=0), make_decoder_assets(p, sys.argv[2], seed=0))")
     proc = subprocess.run([sys.executable, "-c", code, str(model_dir), args.size], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=max(60.0, res_budget_left(args)), check=False)
     if proc.returncode != 0:
@@ -854,13 +870,15 @@ def _drive_gateway(args: argparse.Namespace, res: Results, budget: Budget, gw: G
     skipped: list[str] = info.setdefault("skipped", [])
     plan: list[tuple[str, int, float, float]] = [("steady", n, args.duration, args.settle) for n in steady_levels]
     plan += [("closed-loop", n, args.compare_duration, args.settle) for n in compare]
+    if key.startswith("burst"):
+        plan = [("burst", args.burst_sessions, args.duration, args.settle)]
     if throughput:
         # dp phase: the aggregate-throughput run first (the capacity ratio needs it most)
         t_level = ("closed-loop", throughput, args.duration, args.settle)
         plan = [t_level, *plan] if key == "dp" else [*plan, t_level]
     seen_fail = 0
     for scenario, n, dur, settle in plan:
-        name = f"{key}-{'steady' if scenario == 'steady' else 'closed'}-{n}"
+        name = f"{key}-{ {'steady': 'steady', 'burst': 'burst'}.get(scenario, 'closed')}-{n}"
         if not gw.alive():
             skipped.append(f"{name} (gateway died)")
             continue
@@ -1348,6 +1366,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="closed-loop aggregate throughput level in e2e and dp [GPU 512, CPU 0 = off]")
     g.add_argument("--stop-after-failures", type=int, default=0,
                    help="skip higher steady levels after this many non-real-time ones (0 = never)")
+    g.add_argument("--burst-sessions", type=int, default=64, help="burst: newcomers arriving at once")
+    g.add_argument("--burst-background", type=int, default=192, help="burst: sessions already playing")
+    g.add_argument("--burst-at", type=float, default=6.0, help="burst: seconds after the background starts")
+    g.add_argument("--burst-background-chars", type=int, default=900, help="burst: background answer length")
     g = ap.add_argument_group("native baseline")
     g.add_argument("--native-concurrency", default="10,20")
     g.add_argument("--native-duration", type=float, default=None, help="[GPU 20, CPU 6]")
@@ -1465,6 +1487,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 elif phase == "e2e":
                     phase_gateway(args, res, budget, state_dir, gpu, "e2e", 1, args.sessions_list,
                                   args.compare_list, args.throughput_sessions or None)
+                elif phase == "burst":
+                    base_args = list(args.gateway_arg)
+                    for policy in ("priority", "fcfs"):  # the same burst under both engine policies
+                        args.gateway_arg = [*base_args, f"engine.scheduling_policy={policy}"]
+                        phase_gateway(args, res, budget, state_dir, gpu, f"burst-{policy}", 1, [], [], None)
+                    args.gateway_arg = base_args
                 elif phase == "native":
                     phase_native(args, res, budget, state_dir, gpu)
                 elif phase == "dp":

@@ -506,6 +506,39 @@ def make_gpt_checkpoint(out_dir: str | Path, size: Literal["tiny", "small", "ful
     return out
 
 
+def make_decoder_assets(out_dir: str | Path, size: Literal["tiny", "small", "full"] | ModelSpec = "full",
+                        seed: int = 0) -> Path:
+    """The decoder's part of a random checkpoint (``DVAE``, ``Decoder``, ``Vocos`` safetensors with
+    upstream's key names), built from ``engine.decoder.nets`` with torch alone: with
+    :func:`make_gpt_checkpoint`, a whole checkpoint on a host without the upstream package (the
+    DVAE encoder, which decoding never reads, is left out)."""
+    import torch
+
+    from engine.decoder.nets import FSQ_LEVELS, ConvStack, GFSQDequant, MelFront, VocosNet
+
+    spec = SIZES[size] if isinstance(size, str) else size
+    cfgs = upstream_configs(spec)
+    out = Path(out_dir)
+    (out / "asset").mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed + 6)
+
+    def stack(c: dict) -> ConvStack:
+        return ConvStack(c["idim"], c["bn_dim"], c["hidden"], c["odim"], c["n_layer"], 3, 7, 4 * c["hidden"])
+
+    vq = cfgs["vq"]
+    dvae = MelFront(stack(cfgs["dvae_decoder"]), 100, 3, GFSQDequant(vq["G"], vq["R"], vq["dim"] // vq["G"], FSQ_LEVELS))
+    dec = MelFront(stack(cfgs["decoder"]), 100, 3, None)
+    vb = cfgs["vocos_backbone"]
+    vocos = VocosNet(vb["input_channels"], vb["dim"], vb["intermediate_dim"], vb["num_layers"], 7, 7, 1024)
+    for name, module in (("DVAE", dvae), ("Decoder", dec), ("Vocos", vocos)):
+        state = module.state_dict()
+        for k in state:
+            if k.endswith(".weight") and ".decoder_block." in k and k.count(".") == 3 or k.endswith(".gamma"):
+                state[k] = torch.full_like(state[k], 1e-6 if name != "Vocos" else 1.0 / vb["num_layers"])
+        _save(state, out / f"asset/{name}.safetensors")
+    return out
+
+
 def sha256_map(model_dir: str | Path) -> dict[str, str]:
     """Upstream-style ``sha256_map`` for the files of ``model_dir`` (for ``Chat.load(source="custom")``)."""
     root = Path(model_dir)

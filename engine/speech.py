@@ -6,7 +6,7 @@ chunk; when the consumer stops pulling, nothing more is read or decoded for that
 (the code engine's own stream buffers what the GPT keeps producing; the gateway's scheduler
 lowers the priority of streams that are far ahead). Per request at most one chunk of audio
 is decoded and not yet taken: the one being handed to the consumer. The decoder's job queue
-(``BatchingDecoder``, bounded) is shared by all requests.
+(``DecoderClient``, bounded) is shared by all requests.
 
 Chunking (``ChunkPolicy``): first audio once ``first_chunk_steps`` steps are audible, then
 chunks that follow the stream's lead over real-time playback (``StreamLead``), up to
@@ -51,7 +51,7 @@ from engine.audio_format import SUPPORTED_RATES_HZ, StreamResampler, float_to_pc
 from engine.decoder.window import ChunkPolicy, StreamLead
 
 if TYPE_CHECKING:
-    from engine.decoder.batching import BatchingDecoder
+    from engine.decoder.client import DecoderClient
     from voicegw.config import EngineConfig
 
 _log = logging.getLogger(__name__)
@@ -89,32 +89,33 @@ def chunk_policy(cfg: EngineConfig, exact_lookahead_steps: int) -> ChunkPolicy:
     return ChunkPolicy(cfg.first_chunk_steps, cfg.chunk_steps, la)
 
 
-def build_decoder(cfg: EngineConfig, model_dir: str, device: str = "cpu") -> BatchingDecoder:
-    """Load the vocoder of ``model_dir`` and wrap it in a (not yet started) ``BatchingDecoder``."""
-    from engine.decoder.batching import BatchingDecoder
-    from engine.decoder.nets import load_vocoder
-    from engine.decoder.streaming import StreamingVocoder
+def build_decoder(cfg: EngineConfig, model_dir: str, device: str = "cpu") -> DecoderClient:
+    """A (not yet started) client of a decoder process for ``model_dir``'s vocoder on ``device``."""
+    from engine.decoder.client import DecoderClient, DecoderSettings
 
-    voc = load_vocoder(model_dir, use_hidden=cfg.use_hidden_decoder, device=device)
-    return BatchingDecoder(
-        StreamingVocoder(voc), max_batch=cfg.decoder_max_batch, batch_wait_ms=cfg.decoder_batch_wait_ms
-    )
+    return DecoderClient(DecoderSettings(
+        model_dir=str(model_dir), use_hidden=bool(cfg.use_hidden_decoder), device=str(device),
+        chunk_steps=cfg.chunk_steps, lookahead_steps=cfg.decoder_lookahead_steps, max_batch=cfg.decoder_max_batch,
+        slots=2 * cfg.max_num_seqs + 32, max_steps=cfg.max_model_len, torch_threads=cfg.decoder_torch_threads,
+    ))
 
 
 class ChatTTSSpeech:
-    """``SpeechEngine`` over a ``CodeEngine`` and a ``BatchingDecoder`` (see module docstring)."""
+    """``SpeechEngine`` over a ``CodeEngine`` and a ``DecoderClient`` (see module docstring)."""
 
     native_sample_rate_hz = NATIVE_SAMPLE_RATE_HZ
 
-    def __init__(self, code_engine: CodeEngine, decoder: BatchingDecoder, cfg: EngineConfig) -> None:
+    def __init__(self, code_engine: CodeEngine, decoder: DecoderClient, cfg: EngineConfig) -> None:
         self._code = code_engine
         self._decoder = decoder
         self.name = code_engine.name
         self.use_hidden = bool(cfg.use_hidden_decoder)
-        if self.use_hidden == decoder.core.vocoder.uses_codes:
+        if self.use_hidden == decoder.uses_codes:
             raise ValueError("decoder path does not match engine.use_hidden_decoder")
-        self.policy = chunk_policy(cfg, decoder.geometry.exact_lookahead_steps)
-        self.exact = self.policy.lookahead_steps >= decoder.geometry.exact_lookahead_steps
+        self._cfg = cfg
+        self.policy = chunk_policy(cfg, 10**6)
+        """Replaced at ``start`` once the decoder reports its geometry (the exact lookahead)."""
+        self.exact = self.policy.lookahead_steps >= 10**6
         self._active: dict[str, asyncio.Event] = {}
         self._codes: dict[str, ResumableCodes] = {}
         """Code streams of the running segments (``preempt``)."""
@@ -134,6 +135,10 @@ class ChatTTSSpeech:
 
     async def start(self) -> None:
         await self._decoder.start()
+        geo = self._decoder.geometry
+        assert geo is not None
+        self.policy = chunk_policy(self._cfg, geo.exact_lookahead_steps)
+        self.exact = self.policy.lookahead_steps >= geo.exact_lookahead_steps
         await self._code.start()
         if self.restart_on_crash and callable(getattr(self._code, "restart", None)) and self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch(), name="code engine watchdog")
@@ -355,10 +360,10 @@ class ChatTTSSpeech:
         return np.asarray(frames.hidden, dtype=np.float32) if n else None
 
     async def _push(self, stream, pending: list[np.ndarray], final: bool, received: int) -> np.ndarray:  # type: ignore[no-untyped-def]
-        sd = self._decoder.core.step_dim
+        sd = self._decoder.step_dim
         dtype = np.float32 if self.use_hidden else np.int64
         x = np.concatenate(pending) if pending else np.zeros((0, sd), dtype)
-        emit = None if (self.exact or final) else self.policy.emit_steps(received)
+        emit = received if final else self.policy.emit_steps(received)
         return await stream.push(x, final=final, emit_steps=emit)  # type: ignore[no-any-return]
 
     @staticmethod

@@ -97,7 +97,7 @@ class EngineScheduler:
         sc = config.scheduler
         self.priority_scheduling = config.engine.scheduling_policy == "priority"
         self.admission: AdmissionController | None = (
-            AdmissionController(sc, first_chunk_steps=config.engine.first_chunk_steps, require_queue=True)
+            AdmissionController(sc, first_chunk_steps=config.engine.first_audio_steps, require_queue=True)
             if sc.admission else None
         )
         self.dispatcher: SegmentDispatcher | None = None

@@ -4,6 +4,7 @@ Real subprocesses of the ``voicegw`` command line (``python -m voicegw.cli``).""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -15,8 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _cli(*args: str, timeout: float = 120) -> tuple[int, str, float]:
     t0 = time.monotonic()
+    # not the environment a vLLM engine core patches in while it starts (another test's engine may be
+    # restarting in the background): a user's shell has none of it
+    env = {k: v for k, v in os.environ.items() if k != "VOICEGW_VLLM_BOOT"}
     out = subprocess.run([sys.executable, "-m", "voicegw.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                         timeout=timeout)
+                         timeout=timeout, env=env)
     return out.returncode, out.stdout + out.stderr, time.monotonic() - t0
 
 

@@ -60,6 +60,11 @@ class GatewayConfig:
     """Structured JSON logs (one object per line) instead of text."""
 
 
+CHATTTS_EXACT_LOOKAHEAD_STEPS = 52
+"""Steps after a step that its exact audio depends on (the released DVAE + Vocos; the decoder derives
+it from the checkpoint: ``DecoderGeometry.exact_lookahead_steps``)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The speech engine."""
@@ -110,20 +115,21 @@ class EngineConfig:
     restarting the gateway; /healthz is 503 and requests fail ``engine_unavailable`` meanwhile."""
     restart_backoff_s: float = 5.0
     """Wait after a failed restart before the next attempt; doubles per failure, at most 60 s."""
-    first_chunk_steps: int = 6
-    """Decoder: GPT steps of audio in the first chunk (6 steps = 128 ms); first audio comes after
-    first_chunk_steps + decoder lookahead steps (exact mode: + 52 for ChatTTS)."""
+    first_chunk_steps: int = 4
+    """Decoder: GPT steps of audio in the first chunk (4 steps = 85 ms); first audio comes after
+    first_chunk_steps + decoder_lookahead_steps GPT steps (exact mode: + 52 for ChatTTS)."""
     chunk_steps: int = 16
     """Decoder: GPT steps per later chunk."""
-    decoder_batch_wait_ms: float = 2.0
-    """Decoder: how long a ready chunk waits for others to batch with."""
     decoder_max_batch: int = 64
-    """Decoder: most chunks in one batched forward."""
-    decoder_lookahead_steps: int = -1
+    """Decoder: most rows (chunks of at most ``chunk_steps`` steps) in one batched forward; the batch
+    buckets (one CUDA graph each on a GPU) are the powers of two up to it."""
+    decoder_lookahead_steps: int = 8
     """Decoder: steps the audio trails the newest GPT step. -1: exact (the derived receptive field,
-    52 steps for ChatTTS: output identical to whole-utterance decoding); smaller values emit the
-    newest audio provisionally and correct it with a crossfade (lower latency, approximate near
-    chunk ends; evaluate on real weights before lowering)."""
+    52 steps for ChatTTS: output identical to whole-utterance decoding). Below, a chunk's newest
+    samples are decoded as if the utterance ended at the newest step, and seams are crossfaded.
+    8 is the smallest lookahead within 40 dB SNR (2.3% of peak) of the exact decode on the random
+    full checkpoint with strong layer scales (bench/decoder_bench.py, docs/decoder.md); 4 gives
+    25 dB, 16 gives 90 dB."""
     cpu_reserved_cores: int = 1
     """vLLM on CPU: cores kept out of the GPT worker's OpenMP pool (``VLLM_CPU_NUM_OF_RESERVED_CPU``;
     that environment variable, when set, wins). The worker's OpenMP threads spin, so a worker on
@@ -131,8 +137,8 @@ class EngineConfig:
     generates: on a 2-core host 0 gave 4 underruns in 5 browser runs, 1 gave none in 3; 0 is +40%
     GPT steps/s for one full-size stream alone (bench/RESULTS.md). 0 for GPT-only benchmarks."""
     decoder_torch_threads: int = 1
-    """Torch intra-op threads in the gateway process (decoder forwards); 0 keeps torch's default.
-    1 is fastest for the small per-chunk forwards on CPU."""
+    """Torch intra-op threads of the decoder process (and of the in-process ``reference`` GPT); 0 keeps
+    torch's default. 1 is fastest for the small per-chunk forwards on CPU."""
     decoder_device: str = ""
     """Device of the streaming decoder (DVAE + Vocos): empty = the GPT's device; else ``cpu``,
     ``cuda`` or ``cuda:N``. On a host with a spare GPU, e.g. ``cuda:1``, the decoder's kernels stop
@@ -147,6 +153,14 @@ class EngineConfig:
     engine on one H200 at 10 streams)."""
     synthetic_ms_per_char: float = 70.0
     """``backend = "synthetic"``: speech per non-space text character (sets each segment's steps)."""
+
+
+    @property
+    def first_audio_steps(self) -> int:
+        """GPT steps before a segment's first audio: the first chunk and the decoder's lookahead
+        (exact mode: ChatTTS's receptive field, 52 steps)."""
+        la = self.decoder_lookahead_steps
+        return self.first_chunk_steps + (CHATTTS_EXACT_LOOKAHEAD_STEPS if la < 0 else la)
 
 
 @dataclass(frozen=True)
@@ -389,8 +403,6 @@ def _validate(section: str, name: str, value: Any) -> None:
         raise ConfigError(f"engine.decoder_device: expected '', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
     if key == ("engine", "data_parallel_size") and value < 1:
         raise ConfigError(f"engine.data_parallel_size: must be >= 1, got {value!r}")
-    if key == ("engine", "decoder_batch_wait_ms") and value < 0:
-        raise ConfigError(f"engine.decoder_batch_wait_ms: must be >= 0, got {value!r}")
 
 
 def load_config(

@@ -333,6 +333,8 @@ class Vocoder(nn.Module):
         self.vocos = vocos
         self.hop = hop
         self.n_fft = vocos.n_fft
+        self.model_dir = ""
+        """The checkpoint it was loaded from (``load_vocoder``)."""
         self.stages = group_stages(self._ops())
         self.geometry = DecoderGeometry(
             frames_per_step=FRAMES_PER_STEP,
@@ -474,6 +476,7 @@ def load_vocoder(
     front_state = load_file(str(root / ("Decoder.safetensors" if use_hidden else "DVAE.safetensors")))
     vocos_state = load_file(str(root / "Vocos.safetensors"))
     voc = Vocoder(build_front(front_state, with_vq=not use_hidden), build_vocos(vocos_state))
+    voc.model_dir = str(model_dir)
     return voc.to(device).eval()
 
 

@@ -1,35 +1,23 @@
-"""Windowing core of the streaming decoder: pure bookkeeping, no torch, no numpy, no asyncio.
+"""Windowing core of the streaming decoder: pure arithmetic, no torch, no numpy, no asyncio.
 
 The vocoder (GFSQ -> DVAE/Decoder conv stack -> Vocos conv stack -> ISTFT) is a chain of
 *stages*. Between stages everything is per-frame (LayerNorm, Linear, GELU, ...); only the
 1-D convolutions look at neighbouring frames. A convolution with kernel ``k``, dilation ``d``
 and zero padding ``p`` (stride 1) reads, for output frame ``t``, inputs ``t - p`` ..
 ``t - p + d*(k-1)``: its *reach* is ``left = p`` frames back and ``right = d*(k-1) - p``
-frames ahead (``conv_reach``). Whole-sequence decoding pads every convolution's input with
-``left`` zeros before frame 0 and ``right`` zeros after the last frame.
+frames ahead (``conv_reach``); the stack's reach is the sum (``DecoderGeometry``).
 
-``ConvWindow`` runs one such stage over a sequence that arrives in pieces and produces
-exactly the outputs of the whole-sequence convolution, each output once:
+The streaming decoder has one static shape (``WindowSpec``): a forward decodes, per row, a
+window of ``left_steps + chunk_steps + lookahead_steps`` GPT steps whole (padded convolutions,
+every frame outside ``[0, end)`` zeroed at every convolution's input, as a whole decode pads
+the utterance), and keeps the samples of its chunk. ``left_steps`` is the stack's left reach
+(``DecoderGeometry.exact_left_steps``), so a chunk's samples equal the whole-utterance decode's
+once ``exact_lookahead_steps`` steps after it are known; with fewer, its newest samples are
+those of a decode of the utterance so far (provisional) and seams are crossfaded.
 
-* it keeps the last ``left + right`` input frames (a cache) between pushes;
-* a push feeds ``[left zeros on the first push] + cache + new frames [+ right zeros when the
-  sequence ends]`` to a *valid* (unpadded) convolution, which yields
-  ``len(window) - left - right`` outputs: every output whose whole reach is known;
-* ``ConvStep`` says how many zeros to add on each side, how many outputs come out and how
-  many trailing input frames to keep.
-
-``StackWindow`` chains the stages (the outputs of one are the new inputs of the next);
-its ``lookahead`` is the sum of the right reaches: the frames an output waits for.
-
-``OlaWindow`` is the ISTFT overlap-add at the end: frame ``f`` (``n_fft`` windowed samples)
-lands on absolute samples ``[f*hop, f*hop + n_fft)``; a sample is final once every frame that
-covers it has been added, i.e. once frame ``floor(p / hop)`` exists. ``center`` padding
-(torch.istft ``center=True``, what Vocos uses) trims ``n_fft // 2`` samples at both ends, so
-``F`` frames give ``(F - 1) * hop`` samples. The window-envelope normalisation is computed
-with the same frames on the tensor side, so it is exact at the seams and at both ends.
-
-``ChunkPolicy`` decides when a stream is worth a decoder forward (first chunk small, later
-chunks larger, everything at the end).
+``ChunkPolicy`` decides when a stream is worth a forward (first chunk small, later chunks
+following the listener's lead, everything at the end); ``WindowSpec.rows`` cuts an emission
+into rows of at most ``chunk_steps`` steps.
 """
 
 from __future__ import annotations
@@ -83,179 +71,6 @@ def total_reach(reaches: Sequence[Reach]) -> Reach:
 
 
 @dataclass(frozen=True)
-class ConvStep:
-    """What to feed one stage for one push, and what comes out.
-
-    The window is ``pad_left`` zeros, the ``cached`` frames kept from the previous push, the
-    ``n_new`` new frames and ``pad_right`` zeros. A valid convolution over it yields ``n_out``
-    frames (the next outputs of the stage, in order). Afterwards keep the last ``keep``
-    frames of ``pad_left zeros + cached + new`` (never the right zeros) as the next cache.
-    """
-
-    pad_left: int
-    cached: int
-    n_new: int
-    pad_right: int
-    n_out: int
-    keep: int
-
-    @property
-    def window(self) -> int:
-        return self.pad_left + self.cached + self.n_new + self.pad_right
-
-    @property
-    def runs(self) -> bool:
-        """True when the stage produces outputs this push (else it only caches)."""
-        return self.n_out > 0
-
-
-class ConvWindow:
-    """One stage over a growing sequence; see the module docstring."""
-
-    def __init__(self, reach: Reach) -> None:
-        self.reach = reach
-        self.n_in = 0
-        """Real input frames received."""
-        self.n_out = 0
-        """Output frames produced (= positions 0 .. n_out-1 of the whole-sequence output)."""
-        self.cached = 0
-        """Frames held in the cache (positions n_out - left .. n_in - 1, zeros for < 0)."""
-        self.finished = False
-
-    def push(self, n_new: int, final: bool = False) -> ConvStep:
-        if self.finished:
-            raise RuntimeError("push after the final push")
-        if n_new < 0:
-            raise ValueError(f"n_new must be >= 0, got {n_new}")
-        first = self.n_in == 0 and self.cached == 0
-        pad_left = self.reach.left if first else 0
-        self.n_in += n_new
-        have = pad_left + self.cached + n_new
-        if final:
-            self.finished = True
-            if self.n_in == 0:  # empty sequence: no outputs at all
-                return ConvStep(pad_left, self.cached, n_new, 0, 0, 0)
-            pad_right = self.reach.right
-            n_out = have + pad_right - self.reach.span
-            step = ConvStep(pad_left, self.cached, n_new, pad_right, n_out, 0)
-            self.n_out += n_out
-            self.cached = 0
-            return step
-        n_out = max(0, have - self.reach.span)
-        keep = have - n_out
-        step = ConvStep(pad_left, self.cached, n_new, 0, n_out, keep)
-        self.n_out += n_out
-        self.cached = keep
-        return step
-
-    def copy(self) -> ConvWindow:
-        other = ConvWindow(self.reach)
-        other.n_in, other.n_out, other.cached, other.finished = self.n_in, self.n_out, self.cached, self.finished
-        return other
-
-
-class StackWindow:
-    """A chain of stages; the outputs of stage i are the new inputs of stage i+1."""
-
-    def __init__(self, reaches: Sequence[Reach]) -> None:
-        self.stages = [ConvWindow(r) for r in reaches]
-
-    @property
-    def reach(self) -> Reach:
-        return total_reach([s.reach for s in self.stages])
-
-    @property
-    def lookahead(self) -> int:
-        """Input frames an output frame waits for (sum of right reaches)."""
-        return self.reach.right
-
-    def push(self, n_new: int, final: bool = False) -> list[ConvStep]:
-        steps = []
-        n = n_new
-        for stage in self.stages:
-            step = stage.push(n, final)
-            steps.append(step)
-            n = step.n_out
-        return steps
-
-    @property
-    def n_out(self) -> int:
-        return self.stages[-1].n_out if self.stages else 0
-
-    def copy(self) -> StackWindow:
-        other = StackWindow([])
-        other.stages = [s.copy() for s in self.stages]
-        return other
-
-
-@dataclass(frozen=True)
-class OlaStep:
-    """One overlap-add push: add ``n_new`` frames after the accumulator, then drop ``drop``
-    samples from its front (the ``center`` trim) and emit the next ``emit`` samples."""
-
-    n_new: int
-    drop: int
-    emit: int
-
-
-class OlaWindow:
-    """ISTFT overlap-add bookkeeping (absolute sample positions; see the module docstring).
-
-    The tensor side keeps an accumulator of samples ``[consumed, n_frames*hop + n_fft - hop)``
-    (and the same for the window envelope): frames are added at ``f*hop - consumed``.
-    """
-
-    def __init__(self, n_fft: int, hop: int, center: bool = True) -> None:
-        if hop <= 0 or n_fft < hop:
-            raise ValueError(f"bad ISTFT geometry n_fft={n_fft} hop={hop}")
-        self.n_fft = n_fft
-        self.hop = hop
-        self.trim = n_fft // 2 if center else 0
-        self.center = center
-        self.n_frames = 0
-        self.consumed = 0
-        """Absolute samples dropped or emitted so far (front of the accumulator)."""
-        self.emitted = 0
-        self.finished = False
-
-    def end(self, n_frames: int) -> int:
-        """Absolute end of the whole-sequence output for ``n_frames`` frames."""
-        if n_frames == 0:
-            return self.trim
-        full = (n_frames - 1) * self.hop + self.n_fft
-        return full - self.trim
-
-    def push(self, n_new: int, final: bool = False) -> OlaStep:
-        if self.finished:
-            raise RuntimeError("push after the final push")
-        if n_new < 0:
-            raise ValueError(f"n_new must be >= 0, got {n_new}")
-        self.n_frames += n_new
-        frontier = self.end(self.n_frames) if final else self.n_frames * self.hop
-        self.finished = final
-        drop = max(0, min(frontier, self.trim) - self.consumed)
-        start = max(self.consumed, self.trim)
-        emit = max(0, frontier - start)
-        self.consumed = max(self.consumed, frontier)
-        self.emitted += emit
-        return OlaStep(n_new, drop, emit)
-
-    def samples_for(self, n_frames: int) -> int:
-        """Samples of the whole-sequence output for ``n_frames`` frames."""
-        return max(0, self.end(n_frames) - self.trim)
-
-    def copy(self) -> OlaWindow:
-        other = OlaWindow(self.n_fft, self.hop, self.center)
-        other.n_frames, other.consumed, other.emitted, other.finished = (
-            self.n_frames,
-            self.consumed,
-            self.emitted,
-            self.finished,
-        )
-        return other
-
-
-@dataclass(frozen=True)
 class DecoderGeometry:
     """Static shape of a streaming vocoder, derived from its modules."""
 
@@ -288,19 +103,108 @@ class DecoderGeometry:
         deficit = self.reach.right * self.hop + trim  # samples behind n * samples_per_step
         return -(-deficit // self.samples_per_step)
 
-    def exact_samples(self, n_steps: int, final: bool = False) -> int:
-        """Output samples final after ``n_steps`` steps have been pushed."""
-        frames_in = self.frames_per_step * n_steps
-        if final:
-            ola = OlaWindow(self.n_fft, self.hop, self.center)
-            return ola.samples_for(frames_in)
-        frames = max(0, frames_in - self.reach.right)
-        trim = self.n_fft // 2 if self.center else 0
-        return max(0, frames * self.hop - trim)
+    @property
+    def trim(self) -> int:
+        """Samples the ISTFT ``center`` padding cuts at both ends."""
+        return self.n_fft // 2 if self.center else 0
+
+    @property
+    def exact_left_steps(self) -> int:
+        """Steps before a chunk's first step that its first sample depends on.
+
+        Output sample ``o`` is absolute ISTFT sample ``o + trim``; the frames covering sample ``p``
+        start at ``ceil((p - n_fft + 1) / hop)``, and each reads ``reach.left`` input frames back.
+        """
+        k = -((self.n_fft - self.trim - 1) // self.hop)  # ceil((trim - n_fft + 1) / hop)
+        return -(-(self.reach.left - k) // self.frames_per_step)
 
     def whole_samples(self, n_steps: int) -> int:
         """Samples of a whole-sequence decode of ``n_steps`` steps (upstream: (2T-1)*256)."""
-        return self.exact_samples(n_steps, final=True)
+        frames = self.frames_per_step * n_steps
+        if frames == 0:
+            return 0
+        return max(0, (frames - 1) * self.hop + self.n_fft - 2 * self.trim)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One window of a batched forward: emit output samples ``[start*S, start*S + samples)`` of
+    one stream (``S`` = samples per step), decoded from the window of steps
+    ``[start - left_steps, start - left_steps + window_steps)`` with every step at or after
+    ``end`` treated as absent (the sequence ends there, as in a whole decode of ``end`` steps)."""
+
+    start: int
+    steps: int
+    end: int
+    samples: int
+
+
+@dataclass(frozen=True)
+class WindowSpec:
+    """The decoder's one static shape: every forward decodes windows of ``window_steps`` steps,
+    ``left_steps`` of left context, up to ``chunk_steps`` new ones and ``lookahead_steps`` after
+    them. With ``lookahead_steps >= geometry.exact_lookahead_steps`` a row's samples equal the
+    whole-utterance decode's (exact mode); below, the newest samples are decoded as if the
+    utterance ended at the newest step (provisional), and each row's first ``crossfade_samples``
+    blend from the previous row's continuation so the seam does not click."""
+
+    geometry: DecoderGeometry
+    chunk_steps: int
+    lookahead_steps: int
+    crossfade_samples: int = 256
+
+    def __post_init__(self) -> None:
+        if self.chunk_steps < 1 or self.lookahead_steps < 0 or self.crossfade_samples < 0:
+            raise ValueError(f"bad window: chunk {self.chunk_steps}, lookahead {self.lookahead_steps}")
+        if self.crossfade_samples > self.geometry.n_fft - self.geometry.hop:
+            raise ValueError("crossfade longer than the ISTFT overlap")
+
+    @property
+    def exact(self) -> bool:
+        return self.lookahead_steps >= self.geometry.exact_lookahead_steps
+
+    @property
+    def left_steps(self) -> int:
+        return self.geometry.exact_left_steps
+
+    @property
+    def window_steps(self) -> int:
+        return self.left_steps + self.chunk_steps + self.lookahead_steps
+
+    @property
+    def xfade(self) -> int:
+        """Continuation samples each row returns after its own (0 in exact mode)."""
+        return 0 if self.exact else self.crossfade_samples
+
+    @property
+    def out_samples(self) -> int:
+        """Samples a row's forward returns: its chunk at most, then the continuation."""
+        return self.chunk_steps * self.geometry.samples_per_step + self.xfade
+
+    @property
+    def out_offset(self) -> int:
+        """Window-local ISTFT sample where a row's output starts."""
+        return self.left_steps * self.geometry.samples_per_step + self.geometry.trim
+
+    def rows(self, emitted_steps: int, target_steps: int, received_steps: int, final: bool) -> list[Row]:
+        """Rows that emit steps ``[emitted_steps, target_steps)`` of a stream with
+        ``received_steps`` known (``final``: that is all of it; the last row stops at the
+        whole decode's end)."""
+        if not 0 <= emitted_steps <= target_steps <= received_steps:
+            raise ValueError(f"bad emission {emitted_steps}..{target_steps} of {received_steps}")
+        g = self.geometry
+        sps = g.samples_per_step
+        end_total = g.whole_samples(received_steps) if final else None
+        out = []
+        a = emitted_steps
+        while a < target_steps:
+            n = min(self.chunk_steps, target_steps - a)
+            samples = n * sps
+            if end_total is not None:
+                samples = max(0, min(samples, end_total - a * sps))
+            out.append(Row(a, n, min(received_steps, a + self.chunk_steps + self.lookahead_steps), samples))
+            a += n
+        return out
 
 
 @dataclass(frozen=True)
@@ -324,10 +228,7 @@ class ChunkPolicy:
       doubles the chunk with the emitted audio (``first, first, 2*first, ...``, the rule
       without a lead) leaves ``E * (1 - 2/r)`` of margin before each chunk and underruns at
       every stream start once the engine is under 2x real time (measured: bench/gateway_pacing.py);
-    * without a lead (``lead_steps=None``) the doubling rule above, capped at ``chunk_steps``;
-    * before the first audio, once ``chunk_steps`` steps are pending they are pushed anyway
-      (pre-decoding the context): the decoder computes each layer as far as its context allows,
-      so the forward that makes the first chunk due has little left to do.
+    * without a lead (``lead_steps=None``) the doubling rule above, capped at ``chunk_steps``.
 
     ``push_steps`` caps one forward at ``max_push_steps`` after the first chunk, so a backlog
     (a consumer that paused) is decoded in several forwards instead of one long one that every
@@ -378,11 +279,7 @@ class ChunkPolicy:
         if pending <= 0:
             return False
         done = self.audible_steps(decoded_steps)
-        if self.audible_steps(received_steps) - done >= self.next_chunk_steps(done, lead_steps):
-            return True
-        # before the first audio: pre-decode the context (a push that would emit a chunk
-        # smaller than first_chunk_steps waits for the rule above instead)
-        return pending >= self.chunk_steps and self.audible_steps(received_steps) == 0
+        return self.audible_steps(received_steps) - done >= self.next_chunk_steps(done, lead_steps)
 
     def push_steps(self, received_steps: int, decoded_steps: int, finished: bool,
                    lead_steps: float | None = None) -> int:

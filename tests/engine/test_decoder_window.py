@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,11 +9,9 @@ from hypothesis import strategies as st
 from engine.decoder.window import (
     ChunkPolicy,
     DecoderGeometry,
-    OlaWindow,
     Reach,
-    StackWindow,
+    WindowSpec,
     conv_reach,
-    total_reach,
 )
 
 
@@ -56,135 +53,49 @@ def test_chattts_geometry() -> None:
     assert g.exact_lookahead_steps == 52  # (102*256 + 512) / 512
     for t in (1, 2, 10, 469):
         assert g.whole_samples(t) == (2 * t - 1) * 256
-    # after n steps (not final) exactly n - 52 steps of audio are final
-    assert g.exact_samples(52) == 0
-    assert g.exact_samples(60) == 8 * 512
+    assert g.exact_left_steps == 52  # (102 + 1) / 2: the first sample's frames reach back 103
 
 
-def _conv_valid(x: np.ndarray, w: np.ndarray, dil: int) -> np.ndarray:
-    k = len(w)
-    span = dil * (k - 1)
-    n = len(x) - span
-    return np.array([sum(w[i] * x[t + i * dil] for i in range(k)) for t in range(max(0, n))])
+def _full() -> DecoderGeometry:
+    dvae = [conv_reach(3, 1, 1)] * 2 + [conv_reach(7, 2, 6)] * 12 + [conv_reach(1, 1, 0), conv_reach(3, 1, 1)]
+    return DecoderGeometry(2, tuple(dvae + [conv_reach(7, 1, 3)] * 9), n_fft=1024, hop=256)
 
 
-def _conv_padded(x: np.ndarray, w: np.ndarray, dil: int, pad: int) -> np.ndarray:
-    return _conv_valid(np.concatenate([np.zeros(pad), x, np.zeros(pad)]), w, dil)
+@settings(max_examples=80, deadline=None)
+@given(chunk=st.integers(1, 20), la=st.integers(0, 60), pushes=st.lists(st.integers(0, 40), min_size=1, max_size=12))
+def test_rows_cover_each_step_once(chunk: int, la: int, pushes: list[int]) -> None:
+    """Emissions cut into rows: contiguous, at most ``chunk`` steps, every window reaching at least
+    ``la`` steps past its row (or to the end), and the samples add up to the whole decode's."""
+    g = _full()
+    spec = WindowSpec(g, chunk, la)
+    received = emitted = total = 0
+    for i, n in enumerate(pushes):
+        received += n
+        final = i == len(pushes) - 1
+        target = received if final else max(emitted, received - la)
+        rows = spec.rows(emitted, target, received, final)
+        pos = emitted
+        for r in rows:
+            assert r.start == pos and 1 <= r.steps <= chunk
+            assert r.end == min(received, r.start + chunk + la) >= min(received, r.start + r.steps + la)
+            assert r.start - spec.left_steps + spec.window_steps >= r.end  # the window holds its input
+            total += r.samples
+            pos += r.steps
+        assert pos == target
+        emitted = target
+    assert total == g.whole_samples(received)
 
 
-def _schedule(n: int, pushes: list[int], extra_final: bool) -> list[tuple[int, bool]]:
-    """Push sizes covering ``n`` items (zero-size pushes included), the last one final; with
-    ``extra_final`` the final push is a separate empty one."""
-    sizes = []
-    pos = i = 0
-    while pos < n:
-        k = min(pushes[i % len(pushes)] or (1 if i > 50 else 0), n - pos)
-        sizes.append(k)
-        pos += k
-        i += 1
-    if extra_final or not sizes:
-        sizes.append(0)
-    return [(k, j == len(sizes) - 1) for j, k in enumerate(sizes)]
-
-
-def _layers_strategy():  # type: ignore[no-untyped-def]
-    return st.lists(st.tuples(st.sampled_from([1, 3, 5, 7]), st.integers(1, 3)), min_size=1, max_size=4)
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    layers=_layers_strategy(),
-    n=st.integers(0, 60),
-    pushes=st.lists(st.integers(0, 9), min_size=1, max_size=30),
-    seed=st.integers(0, 2**16),
-)
-def test_stack_window_equals_whole_convolution(
-    layers: list[tuple[int, int]], n: int, pushes: list[int], seed: int
-) -> None:
-    """Streaming a chain of padded convolutions (with a nonlinearity between) through the
-    window core gives exactly the whole-sequence result, each output once."""
-    rng = np.random.default_rng(seed)
-    ws = [rng.normal(size=k) for k, _ in layers]
-    reaches = [conv_reach(k, d, d * (k // 2)) for k, d in layers]
-    x = rng.normal(size=n)
-    whole = x
-    for (k, d), w in zip(layers, ws, strict=True):
-        whole = np.tanh(_conv_padded(whole, w, d, d * (k // 2)))
-
-    stack = StackWindow(reaches)
-    caches: list[np.ndarray] = [np.zeros(0) for _ in layers]
-    out: list[np.ndarray] = []
-    pos = 0
-    for step_n, final in _schedule(n, pushes, extra_final=seed % 2 == 0):
-        new = x[pos : pos + step_n]
-        pos += step_n
-        steps = stack.push(step_n, final)
-        for li, ((_k, d), w, s) in enumerate(zip(layers, ws, steps, strict=True)):
-            assert s.n_new == len(new)
-            body = np.concatenate([np.zeros(s.pad_left), caches[li], new])
-            assert s.cached == len(caches[li])
-            caches[li] = body[len(body) - s.keep :] if s.keep else np.zeros(0)
-            win = np.concatenate([body, np.zeros(s.pad_right)])
-            new = np.tanh(_conv_valid(win, w, d)) if s.runs else np.zeros(0)
-            assert len(new) == s.n_out
-        out.append(new)
-    got = np.concatenate(out)
-    assert len(got) == len(whole)
-    np.testing.assert_allclose(got, whole, atol=1e-12)
-    assert stack.lookahead == total_reach(reaches).right
-
-
-def _ola_whole(frames: np.ndarray, win: np.ndarray, hop: int) -> np.ndarray:
-    nf, n_fft = frames.shape
-    total = (nf - 1) * hop + n_fft
-    y = np.zeros(total)
-    env = np.zeros(total)
-    for f in range(nf):
-        y[f * hop : f * hop + n_fft] += frames[f] * win
-        env[f * hop : f * hop + n_fft] += win**2
-    t = n_fft // 2
-    return y[t : total - t] / env[t : total - t]
-
-
-@settings(max_examples=40, deadline=None)
-@given(nf=st.integers(1, 30), pushes=st.lists(st.integers(0, 5), min_size=1, max_size=10), seed=st.integers(0, 999))
-def test_ola_window_equals_istft(nf: int, pushes: list[int], seed: int) -> None:
-    n_fft, hop = 16, 4
-    rng = np.random.default_rng(seed)
-    win = np.hanning(n_fft + 1)[:-1]  # periodic Hann, as torch.hann_window
-    frames = rng.normal(size=(nf, n_fft))
-    whole = _ola_whole(frames, win, hop)
-    ola = OlaWindow(n_fft, hop)
-    acc = np.zeros(n_fft - hop)
-    env = np.zeros(n_fft - hop)
-    out = []
-    f = 0
-    for k, final in _schedule(nf, pushes, extra_final=seed % 2 == 0):
-        step = ola.push(k, final)
-        if k:
-            acc = np.concatenate([acc, np.zeros(k * hop)])
-            env = np.concatenate([env, np.zeros(k * hop)])
-            off = len(acc) - ((k - 1) * hop + n_fft)
-            for j in range(k):
-                acc[off + j * hop : off + j * hop + n_fft] += frames[f + j] * win
-                env[off + j * hop : off + j * hop + n_fft] += win**2
-        a, b = step.drop, step.drop + step.emit
-        out.append(acc[a:b] / env[a:b] if step.emit else np.zeros(0))
-        acc, env = acc[b:], env[b:]
-        f += k
-    got = np.concatenate(out)
-    assert len(got) == (nf - 1) * hop == ola.samples_for(nf)
-    np.testing.assert_allclose(got, whole, atol=1e-9)
-
-
-def test_ola_nothing_final_before_first_frames() -> None:
-    ola = OlaWindow(1024, 256)
-    s = ola.push(2)
-    assert (s.drop, s.emit) == (512, 0)  # abs frontier 512 = the centre trim: nothing yet
-    s = ola.push(1)
-    assert (s.drop, s.emit) == (0, 256)
-    s = ola.push(0, final=True)
-    assert s.emit == (3 - 1) * 256 - 256
+def test_window_spec_shape() -> None:
+    g = _full()
+    assert g.exact_left_steps == 52
+    exact = WindowSpec(g, 16, 52)
+    assert exact.exact and exact.xfade == 0 and exact.window_steps == 120
+    la4 = WindowSpec(g, 16, 4)
+    assert not la4.exact and la4.window_steps == 72 and la4.out_samples == 16 * 512 + 256
+    assert la4.out_offset == 52 * 512 + 512
+    with pytest.raises(ValueError):
+        la4.rows(5, 4, 10, False)
 
 
 def test_chunk_policy_sequence() -> None:
@@ -211,7 +122,6 @@ def test_chunk_policy_sequence() -> None:
         if p2.ready(received, decoded, finished=False):
             pushes.append(received)
             decoded = received
-    assert pushes[:6] == [8, 16, 24, 32, 40, 48]  # pre-decoding the context
-    assert 56 in pushes  # first audio at 4 + 52 steps
+    assert pushes[0] == 56  # first audio at 4 + 52 steps (windows are stateless: nothing to pre-decode)
     assert p2.ready(3, 3, finished=True)
     assert not p2.ready(3, 3, finished=False)

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The decoder issue's GPU measurement, call A (after the calls that carry the vLLM parts .gpu1..7):
+#   host setup (bench/gpu_host_setup.sh); bench.decoder_bench (static-shape decoder alone: ms per
+#   forward and x real time per batch, eager baseline in the same run; the lookahead table; thread
+#   vs process placement); bench.gpu_e2e floor + e2e (engine floor, steady levels, closed loop).
+# Carry: .gpudeps .gpuw .gpukit. Results: $OUT/*.json|md|log and $OUT/all.tgz (everything).
+# Call B (same warm machine, /tmp kept): PHASE=B bash bench/gpu_decoder.sh (exact mode, burst).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+PHASE=${PHASE:-A}
+RES=/tmp/res-$PHASE
+mkdir -p "$OUT" "$RES"
+T0=$(date +%s)
+bash bench/gpu_host_setup.sh > "$RES/setup.log" 2>&1
+export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=0
+python3 -c "import vllm; print('vllm', vllm.__version__)" >> "$RES/setup.log" 2>&1 || { tail -30 "$RES/setup.log"; cp "$RES/setup.log" "$OUT/"; exit 1; }
+echo "setup done in $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
+nvidia-smi dmon -s u -d 1 > "$RES/dmon.txt" 2>&1 &
+DMON=$!
+left() { echo $(( ${BUDGET_S:-575} - ($(date +%s) - T0) )); }
+if [ "$PHASE" = A ]; then
+  timeout 170 python3 -m bench.decoder_bench --device cuda --batches 1,16,64,256 --json-out "$RES/decoder.json" \
+    > "$RES/decoder.log" 2>&1
+  echo "decoder bench rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
+  M=$(python3 -c "print(round(($(left) - 25) / 60, 2))")
+  timeout $(( $(left) - 10 )) python3 -m bench.gpu_e2e --phases floor,e2e --fresh --floor-concurrency 1,64 \
+    --floor-steps 128 --floor-max-seconds 25 --sessions "${SESSIONS:-1,64,256,400}" --duration 12 --settle 5 \
+    --compare-concurrency "" --throughput-sessions 512 --max-minutes "$M" --out "$RES/e2e" \
+    ${E2E_ARGS:-} > "$RES/e2e.log" 2>&1
+  echo "gpu_e2e rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
+else
+  M=$(python3 -c "print(round(($(left) - 25) / 60, 2))")
+  timeout $(( $(left) - 10 )) python3 -m bench.gpu_e2e --phases e2e,burst --fresh --sessions "${SESSIONS:-1,64}" \
+    --duration 12 --settle 5 --compare-concurrency "" --throughput-sessions 0 --max-minutes "$M" --out "$RES/e2e" \
+    --gateway-arg engine.decoder_lookahead_steps=-1 ${E2E_ARGS:-} > "$RES/e2e.log" 2>&1
+  echo "gpu_e2e rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
+fi
+kill $DMON 2>/dev/null
+git rev-parse HEAD > "$RES/commit.txt" 2>/dev/null || true
+cp "$RES/setup.log" "$OUT/" 2>/dev/null
+[ -f "$RES/decoder.json" ] && cp "$RES/decoder.json" "$OUT/"
+[ -f "$RES/e2e/gpu_e2e.json" ] && cp "$RES/e2e/gpu_e2e.json" "$OUT/"
+[ -f "$RES/e2e/gpu_e2e.md" ] && cp "$RES/e2e/gpu_e2e.md" "$OUT/"
+tar czf "$OUT/all-$PHASE.tgz" -C "$RES" . 2>/dev/null
+tail -25 "$RES/decoder.log" 2>/dev/null
+grep -E "real time|healthy in|level|TTFA" "$RES/e2e.log" | tail -30

@@ -1,0 +1,417 @@
+"""asyncio edge of the decoder process: ``DecoderClient`` (one per gateway) and ``DecoderStream``.
+
+``start`` creates the shared-memory file of output samples and a ``SOCK_SEQPACKET`` socket pair,
+starts ``python -m engine.decoder.worker`` with one end, and waits for its ready message (the
+vocoder's geometry, measured there: the gateway process never imports torch for decoding). Each
+``DecoderStream`` owns a slot; ``push`` sends the new steps and the emission target and awaits the
+reply, then copies the slot's samples out. Replies are read by one reader callback on the event
+loop; sends are serialized by a lock.
+
+Bounded: ``slots`` streams at once (``open_stream`` raises a recoverable ``EngineError`` when
+none is free), one job in flight per stream, ``out_cap_steps`` steps of samples per job (a larger
+emission is cut into several jobs). A stream closed with a job in flight keeps its slot until the
+reply arrives, so the worker never writes into a slot its next owner reads. When the worker dies,
+every pending push fails ``UNRECOVERABLE`` and ``healthy`` turns false.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import mmap
+import os
+import secrets
+import socket
+import subprocess
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.api import EngineError, EngineErrorKind
+from engine.decoder.window import DecoderGeometry, Reach
+from engine.decoder.worker import (
+    FLAG_FINAL,
+    FLAG_RESET,
+    KIND_JOB,
+    KIND_PUSH,
+    KIND_READY,
+    KIND_STATS,
+    KIND_STATS_REPLY,
+    MAX_MESSAGE_BYTES,
+    REP,
+    REQ,
+    SOCKET_BUFFER_BYTES,
+    STATUS_OK,
+)
+
+_log = logging.getLogger(__name__)
+
+_ROOT = str(Path(__file__).resolve().parents[2])
+"""The checkout (``engine`` is importable from here in the worker)."""
+_PAYLOAD_BYTES = 256 << 10
+"""Most input bytes in one message (hidden states are 3 KB per step)."""
+
+
+@dataclass
+class DecoderStats:
+    jobs: int = 0
+    samples: int = 0
+    """24 kHz samples received."""
+
+
+@dataclass
+class _Slot:
+    index: int
+    busy: bool = False
+    orphan: bool = False
+    """Its stream was closed while a job was in flight: free it when the reply comes."""
+
+
+@dataclass
+class DecoderSettings:
+    """What the worker is started with (from ``EngineConfig``; see ``build_decoder``)."""
+
+    model_dir: str
+    use_hidden: bool = False
+    device: str = "cpu"
+    chunk_steps: int = 16
+    lookahead_steps: int = -1
+    max_batch: int = 64
+    slots: int = 128
+    max_steps: int = 2048
+    torch_threads: int = 1
+    out_cap_steps: int = 0
+    """Steps of samples one job may return (0: 2 x chunk_steps)."""
+    start_timeout_s: float = 600.0
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class DecoderStream:
+    """One utterance's stream. Push steps in order; the last push is ``final``."""
+
+    def __init__(self, client: DecoderClient, slot: _Slot) -> None:
+        self._client = client
+        self._slot = slot
+        self._fresh = True
+        self.steps_in = 0
+        self.emitted_steps = 0
+        self.emitted_samples = 0
+        self.closed = False
+        self.finished = False
+        self._busy = False
+
+    async def push(self, x: np.ndarray, final: bool = False, emit_steps: int | None = None) -> np.ndarray:
+        """Send ``x`` (``[n, step_dim]``); return the float32 24 kHz samples of the steps up to
+        ``emit_steps`` (all of them when ``final``; ``None``: what the lookahead allows)."""
+        if self.closed or self.finished:
+            raise EngineError("decoder stream is closed")
+        if self._busy:
+            raise RuntimeError("DecoderStream.push is not reentrant: await the previous push")
+        c = self._client
+        c.check_input(x)
+        self._busy = True
+        try:
+            received = self.steps_in + int(x.shape[0])
+            if final:
+                target = received
+            elif emit_steps is None:
+                target = received - c.lookahead_steps
+            else:
+                target = emit_steps
+            target = max(self.emitted_steps, min(target, received))
+            pieces: list[np.ndarray] = []
+            # the inputs first, in messages of bounded size (no emission until the last)
+            per_msg = max(1, _PAYLOAD_BYTES // max(1, c.step_dim * c.wire_itemsize))
+            sent = 0
+            n = int(x.shape[0])
+            while True:
+                k = min(per_msg, n - sent)
+                last_input = sent + k == n
+                tgt = min(target, self.emitted_steps + c.out_cap_steps) if last_input else self.emitted_steps
+                pieces.append(await self._job(x[sent : sent + k], tgt, final and last_input and tgt == received))
+                self.emitted_steps = tgt
+                sent += k
+                if last_input:
+                    break
+            self.steps_in = received
+            while self.emitted_steps < target or (final and not self.finished):
+                tgt = min(target, self.emitted_steps + c.out_cap_steps)
+                pieces.append(await self._job(x[:0], tgt, final and tgt == received))
+                self.emitted_steps = tgt
+            if final:
+                self.finished = True
+                self.close()
+            audio = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+            self.emitted_samples += int(audio.shape[0])
+            return audio
+        finally:
+            self._busy = False
+
+    async def _job(self, x: np.ndarray, target: int, final: bool) -> np.ndarray:
+        flags = (FLAG_FINAL if final else 0) | (FLAG_RESET if self._fresh else 0)
+        self._fresh = False
+        audio = await self._client._submit(self._slot, x, target, flags)
+        if final:
+            self.finished = True
+        return audio
+
+    def close(self) -> None:
+        """Forget the stream (no more pushes). Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._client._release(self._slot)
+
+
+class DecoderClient:
+    """See the module docstring. ``start()`` before use, ``close()`` at the end."""
+
+    def __init__(self, settings: DecoderSettings) -> None:
+        self.settings = settings
+        self.geometry: DecoderGeometry | None = None
+        self.info: dict[str, Any] = {}
+        self.stats = DecoderStats()
+        self.failed: str | None = None
+        self.out_cap_steps = settings.out_cap_steps or 2 * settings.chunk_steps
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self._mm: mmap.mmap | None = None
+        self._out: np.ndarray | None = None
+        self._slots = [_Slot(i) for i in range(settings.slots)]
+        self._free: deque[_Slot] = deque(self._slots)
+        self._pending: dict[int, tuple[_Slot, asyncio.Future[tuple[int, int]]]] = {}
+        self._stats_waiters: deque[asyncio.Future[dict[str, Any]]] = deque()
+        self._ready: asyncio.Future[dict[str, Any]] | None = None
+        self._next_job = 1
+        self._send_lock = asyncio.Lock()
+        self.uses_codes = not settings.use_hidden
+        self.step_dim = 0
+        self.lookahead_steps = 0
+        self.code_limit: int | None = None
+        self.wire_itemsize = 2 if self.uses_codes else 4
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def healthy(self) -> bool:
+        return self.failed is None and self._proc is not None and self._proc.poll() is None
+
+    async def start(self) -> None:
+        if self._proc is not None:
+            return
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        sps_guess = 512
+        out_cap = self.out_cap_steps * sps_guess
+        shm_dir = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp"))
+        path = str(shm_dir / f"voicegw-audio-{os.getpid()}-{secrets.token_hex(6)}")
+        nbytes = s.slots * out_cap * 4
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._out = np.frombuffer(self._mm, dtype=np.float32).reshape(s.slots, out_cap)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for sk in (ours, theirs):
+            sk.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+            sk.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+        args = {
+            "fd": theirs.fileno(), "model_dir": s.model_dir, "use_hidden": s.use_hidden, "device": s.device,
+            "chunk_steps": s.chunk_steps, "lookahead_steps": s.lookahead_steps, "max_batch": s.max_batch,
+            "slots": s.slots, "max_steps": s.max_steps, "torch_threads": s.torch_threads,
+            "out_cap_steps": self.out_cap_steps, "shm_path": path,
+        }
+        env = {**os.environ, **s.env}
+        env.pop("VOICEGW_VLLM_BOOT", None)  # vLLM's child boot (set while an engine core starts) is not ours
+        py_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not p.endswith("_boot")]
+        env["PYTHONPATH"] = os.pathsep.join([_ROOT, *py_path])
+        try:
+            # Popen returns once the child is forked; the worker is watched through its socket
+            self._proc = subprocess.Popen(  # noqa: ASYNC220
+                [sys.executable, "-m", "engine.decoder.worker", json.dumps(args)], pass_fds=[theirs.fileno()], env=env
+            )
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self._sock = ours
+        self._ready = loop.create_future()
+        loop.add_reader(ours.fileno(), self._on_readable)
+        try:
+            info = await asyncio.wait_for(asyncio.shield(self._ready), s.start_timeout_s)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            await self.close()
+            raise
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # both sides have it mapped: nothing is left behind if either dies
+        self.info = info
+        self.step_dim = int(info["step_dim"])
+        self.lookahead_steps = int(info["lookahead_steps"])
+        self.code_limit = info.get("code_limit")
+        self.geometry = DecoderGeometry(
+            frames_per_step=int(info["frames_per_step"]),
+            stage_reaches=tuple(Reach(int(a), int(b)) for a, b in info["stage_reaches"]),
+            n_fft=int(info["n_fft"]), hop=int(info["hop"]),
+        )
+        if self.geometry.samples_per_step != sps_guess:
+            await self.close()
+            raise EngineError(f"decoder geometry {self.geometry.samples_per_step} samples per step is not supported")
+
+    async def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(sock.fileno())
+            sock.close()
+        self._fail("decoder closed")
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            try:
+                await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, proc.wait), 10.0)
+            except TimeoutError:
+                proc.kill()
+                await asyncio.get_running_loop().run_in_executor(None, proc.wait)
+        self._out = None
+        if self._mm is not None:
+            with contextlib.suppress(BufferError):
+                self._mm.close()
+            self._mm = None
+
+    # ------------------------------------------------------------------ streams
+
+    def open_stream(self) -> DecoderStream:
+        if not self.healthy:
+            raise EngineError("decoder not running", EngineErrorKind.UNRECOVERABLE)
+        if not self._free:
+            raise EngineError("decoder: every stream slot is in use")
+        return DecoderStream(self, self._free.popleft())
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def check_input(self, x: np.ndarray) -> None:
+        """Reject a malformed push before it reaches the worker."""
+        sd = self.step_dim
+        if not isinstance(x, np.ndarray) or x.ndim != 2 or x.shape[1] != sd:
+            raise EngineError(f"decoder input must be an array [n, {sd}], got {getattr(x, 'shape', type(x))}")
+        if self.uses_codes:
+            if not np.issubdtype(x.dtype, np.integer):
+                raise EngineError(f"codes must be integers, got {x.dtype}")
+            limit = self.code_limit or 0
+            if x.size and (int(x.min()) < 0 or int(x.max()) >= limit):
+                raise EngineError(f"code out of range 0..{limit - 1}")
+        elif x.size and not np.isfinite(x).all():
+            raise EngineError("hidden states contain non-finite values")
+
+    async def worker_stats(self) -> dict[str, Any]:
+        """The worker's counters (forwards, rows, busy time, largest batch)."""
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(fut)
+        await self._send(REQ.pack(KIND_STATS, 0, 0, 0, 0, 0))
+        return await fut
+
+    # ------------------------------------------------------------------ internals
+
+    def _release(self, slot: _Slot) -> None:
+        if slot.busy:
+            slot.orphan = True
+        else:
+            self._free.append(slot)
+
+    async def _send(self, msg: bytes) -> None:
+        sock = self._sock
+        if sock is None or self.failed is not None:
+            raise EngineError("decoder not running", EngineErrorKind.UNRECOVERABLE)
+        async with self._send_lock:
+            await asyncio.get_running_loop().sock_sendall(sock, msg)
+
+    async def _submit(self, slot: _Slot, x: np.ndarray, target: int, flags: int) -> np.ndarray:
+        if self.failed is not None or self._sock is None:
+            raise EngineError("decoder not running", EngineErrorKind.UNRECOVERABLE)
+        job = self._next_job
+        self._next_job = (job + 1) & 0xFFFFFFFF or 1
+        wire = np.ascontiguousarray(x, dtype=np.int16 if self.uses_codes else np.float32)
+        msg = REQ.pack(KIND_PUSH, flags, job, slot.index, int(x.shape[0]), int(target)) + wire.tobytes()
+        fut: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
+        self._pending[job] = (slot, fut)
+        slot.busy = True
+        try:
+            await self._send(msg)
+        except BaseException:
+            self._pending.pop(job, None)
+            slot.busy = False
+            raise
+        status, samples = await fut
+        if status != STATUS_OK:
+            raise EngineError("decoder rejected the input" if status == 1 else "decoder forward failed")
+        assert self._out is not None
+        audio = self._out[slot.index, :samples].copy()
+        self.stats.jobs += 1
+        self.stats.samples += samples
+        return audio
+
+    def _on_readable(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        while True:
+            try:
+                msg = sock.recv(MAX_MESSAGE_BYTES)
+            except BlockingIOError:
+                return
+            except OSError:
+                msg = b""
+            if not msg:
+                self._fail("decoder process exited")
+                with contextlib.suppress(Exception):
+                    asyncio.get_running_loop().remove_reader(sock.fileno())
+                return
+            kind = msg[0]
+            if kind == KIND_JOB:
+                _, status, job, samples = REP.unpack_from(msg)
+                entry = self._pending.pop(job, None)
+                if entry is None:
+                    continue
+                slot, fut = entry
+                slot.busy = False
+                if slot.orphan:
+                    slot.orphan = False
+                    self._free.append(slot)
+                if not fut.done():
+                    fut.set_result((status, samples))
+            elif kind == KIND_READY:
+                if self._ready is not None and not self._ready.done():
+                    self._ready.set_result(json.loads(msg[1:]))
+            elif kind == KIND_STATS_REPLY:
+                if self._stats_waiters:
+                    w = self._stats_waiters.popleft()
+                    if not w.done():
+                        w.set_result(json.loads(msg[1:]))
+
+    def _fail(self, why: str) -> None:
+        if self.failed is None:
+            self.failed = why
+            if self._proc is not None and self._proc.poll() is None and why != "decoder closed":
+                _log.error("%s", why)
+        err = EngineError(why, EngineErrorKind.UNRECOVERABLE)
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(err)
+        for slot, fut in self._pending.values():
+            slot.busy = False
+            if not fut.done():
+                fut.set_exception(err)
+        self._pending.clear()
+        while self._stats_waiters:
+            w = self._stats_waiters.popleft()
+            if not w.done():
+                w.set_exception(err)

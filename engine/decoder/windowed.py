@@ -1,0 +1,149 @@
+"""``WindowDecoder``: the static-shape batched forward of the streaming decoder.
+
+Every forward decodes ``B`` rows of one fixed window (``WindowSpec.window_steps`` steps, see
+``engine.decoder.window``) whole, with padded convolutions, and returns each row's chunk
+samples (plus the crossfade continuation in provisional mode). Per row only three things vary:
+the window's inputs, its first step (``start - left_steps``) and the step where the stream's
+known input ends; the frames outside ``[0, end)`` are zeroed before every convolution (exactly
+the zero padding of a whole-utterance decode) and left out of the overlap-add and its window
+envelope, so a row at the start or the end of an utterance is exact too.
+
+Shapes never change: a batch of ``B`` rows runs in the smallest bucket (powers of two up to
+``max_batch``) that holds it, padded with empty rows. On CUDA each bucket is one CUDA graph,
+captured at ``warm_up`` and replayed (TF32 matmuls and convolutions); on CPU the same code runs
+eager. One host-to-device copy of the inputs and one device-to-host copy of the samples per
+forward; nothing in between reads the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engine.decoder.nets import Vocoder
+from engine.decoder.window import WindowSpec
+
+
+def buckets_for(max_batch: int) -> list[int]:
+    """Powers of two below ``max_batch``, then ``max_batch``."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return [*out, max_batch]
+
+
+class _Bucket:
+    """Static input/output buffers of one batch size (and its graph on CUDA)."""
+
+    def __init__(self, size: int, x: Tensor, start: Tensor, end: Tensor) -> None:
+        self.size = size
+        self.x, self.start, self.end = x, start, end
+        self.out: Tensor | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+
+class WindowDecoder:
+    """See the module docstring. Not thread-safe: the decoder process calls it from one thread."""
+
+    def __init__(self, vocoder: Vocoder, spec: WindowSpec, max_batch: int) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch >= 1")
+        self.voc = vocoder
+        self.spec = spec
+        g = spec.geometry
+        p = next(vocoder.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.cuda = self.device.type == "cuda"
+        self.step_dim = vocoder.front.step_dim
+        self.max_batch = max_batch
+        self.buckets = buckets_for(max_batch)
+        w = spec.window_steps
+        self._frames = g.frames_per_step * w
+        self._frame_idx = torch.arange(self._frames, device=self.device)
+        self._win_sq = vocoder.vocos.window.square()[None, :, None]
+        self._total = (self._frames - 1) * g.hop + g.n_fft
+        if spec.out_offset + spec.out_samples > self._total:
+            raise ValueError("window too short for its output")
+        in_dtype = torch.int64 if vocoder.uses_codes else self.dtype
+        self._b: dict[int, _Bucket] = {}
+        for size in self.buckets:
+            self._b[size] = _Bucket(
+                size,
+                torch.zeros(size, w, self.step_dim, dtype=in_dtype, device=self.device),
+                torch.zeros(size, dtype=torch.int64, device=self.device),
+                torch.zeros(size, dtype=torch.int64, device=self.device),
+            )
+
+    # ------------------------------------------------------------------ the forward
+
+    def _compute(self, x: Tensor, start: Tensor, end: Tensor) -> Tensor:
+        """``x [B, W, step_dim]``, window first step ``start [B]``, input end ``end [B]`` (steps)
+        -> ``[B, out_samples]`` float32."""
+        voc, spec = self.voc, self.spec
+        g = spec.geometry
+        b, w, _ = x.shape
+        fps = g.frames_per_step
+        feats = voc.front.step_features(x.reshape(b * w, -1))
+        y = feats.reshape(b, w * fps, voc.front.in_dim).transpose(1, 2)
+        pos = fps * start[:, None] + self._frame_idx[None, :]
+        mask = ((pos >= 0) & (pos < fps * end[:, None])).to(self.dtype)[:, None, :]
+        for stage in voc.stages:
+            y = stage.padded(y * mask)
+        frames = y * mask
+        acc = F.fold(frames, (1, self._total), (1, g.n_fft), stride=(1, g.hop))[:, 0, 0]
+        env = F.fold(self._win_sq * mask, (1, self._total), (1, g.n_fft), stride=(1, g.hop))[:, 0, 0]
+        a = spec.out_offset
+        acc, env = acc[:, a : a + spec.out_samples], env[:, a : a + spec.out_samples]
+        return torch.where(env > 1e-8, acc / env.clamp_min(1e-8), torch.zeros_like(acc)).float()
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run every bucket once (cuDNN picks its algorithms); on CUDA capture its graph."""
+        if self.cuda:
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+            torch.backends.cudnn.benchmark = True
+        for bk in self._b.values():
+            if not self.cuda:
+                self._compute(bk.x, bk.start, bk.end)
+                continue
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    self._compute(bk.x, bk.start, bk.end)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                bk.out = self._compute(bk.x, bk.start, bk.end)
+            bk.graph = graph
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def bucket(self, rows: int) -> int:
+        for size in self.buckets:
+            if size >= rows:
+                return size
+        raise ValueError(f"{rows} rows > max_batch {self.max_batch}")
+
+    @torch.inference_mode()
+    def run(self, x: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """Decode ``B <= max_batch`` rows: ``x [B, W, step_dim]`` (window inputs; anything where
+        masked), ``start``/``end [B]`` in steps -> ``[B, out_samples]`` float32 (host)."""
+        n = int(x.shape[0])
+        bk = self._b[self.bucket(n)]
+        bk.x[:n].copy_(torch.from_numpy(x))
+        bk.start[:n].copy_(torch.from_numpy(start))
+        bk.end[:n].copy_(torch.from_numpy(end))
+        if n < bk.size:
+            bk.end[n:].zero_()  # empty rows: every frame masked
+        if bk.graph is not None:
+            bk.graph.replay()
+            assert bk.out is not None
+            out = bk.out
+        else:
+            out = self._compute(bk.x, bk.start, bk.end)
+        return out[:n].cpu().numpy()

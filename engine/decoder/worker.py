@@ -1,0 +1,344 @@
+"""The decoder process: streams of codes in, 24 kHz samples out, one batched forward at a time.
+
+The gateway (``engine.decoder.client``) starts it with ``python -m engine.decoder.worker`` and
+talks to it over one ``AF_UNIX``/``SOCK_SEQPACKET`` socket (one message per request or reply,
+fixed ``struct`` headers, no pickling) and one shared-memory file of output samples
+(``float32[slots, out_cap]``): a job's samples are written into its stream's slot, the reply
+carries their count, and the gateway copies them out before that stream's next job (a stream has
+at most one job in flight). Nothing here runs in the gateway's process, thread or GIL.
+
+``WorkerCore`` is the synchronous core: per stream the inputs received so far, the steps
+emitted, the crossfade continuation; a push becomes rows (``WindowSpec.rows``); ``step`` runs
+one forward over up to ``max_batch`` queued rows (rows of streams that have emitted nothing yet
+first: time to first audio), never waiting for a batch to fill, and reports the jobs it
+completed. The process loop (``serve``) blocks on the socket only while no row is queued.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import socket
+import struct
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine.decoder.window import Row, WindowSpec
+
+#: request header: kind, flags, job id, slot, new steps in the payload, emit target (steps)
+REQ = struct.Struct("<BBxxIIII")
+#: reply header: kind, status, job id, samples written to the slot
+REP = struct.Struct("<BBxxII")
+
+KIND_PUSH = 0
+KIND_STATS = 1
+KIND_JOB = 0
+KIND_READY = 1
+KIND_STATS_REPLY = 2
+
+FLAG_FINAL = 1
+FLAG_RESET = 2
+"""First push of a stream on this slot: forget what the slot held."""
+
+STATUS_OK = 0
+STATUS_BAD_INPUT = 1
+STATUS_FORWARD_FAILED = 2
+
+MAX_MESSAGE_BYTES = 1 << 20
+SOCKET_BUFFER_BYTES = 4 << 20
+
+
+@dataclass
+class _Stream:
+    step_dim: int
+    dtype: Any
+    hist: np.ndarray = field(init=False)
+    received: int = 0
+    emitted: int = 0
+    """Steps whose samples were handed out."""
+    samples: int = 0
+    tail: np.ndarray | None = None
+    final: bool = False
+
+    def __post_init__(self) -> None:
+        self.hist = np.zeros((64, self.step_dim), self.dtype)
+
+    def append(self, x: np.ndarray, max_steps: int) -> None:
+        need = self.received + x.shape[0]
+        if need > max_steps:
+            raise ValueError(f"stream longer than {max_steps} steps")
+        if need > self.hist.shape[0]:
+            grown = np.zeros((min(max_steps, max(need, 2 * self.hist.shape[0])), self.step_dim), self.dtype)
+            grown[: self.received] = self.hist[: self.received]
+            self.hist = grown
+        self.hist[self.received : need] = x
+        self.received = need
+
+
+@dataclass
+class _Job:
+    job_id: int
+    slot: int
+    rows_left: int
+    samples: int = 0
+
+
+@dataclass
+class _Queued:
+    job: _Job
+    stream: _Stream
+    row: Row
+    offset: int
+    """Where the row's samples go in the job's output."""
+    last: bool
+    """Last row of a final job: no continuation to keep."""
+
+
+@dataclass
+class WorkerStats:
+    forwards: int = 0
+    rows: int = 0
+    busy_s: float = 0.0
+    max_batch_seen: int = 0
+    jobs: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"forwards": self.forwards, "rows": self.rows, "busy_s": round(self.busy_s, 4),
+                "max_batch_seen": self.max_batch_seen, "jobs": self.jobs,
+                "mean_batch": round(self.rows / self.forwards, 2) if self.forwards else 0.0}
+
+
+class WorkerCore:
+    """See the module docstring. ``run(x, start, end)`` is ``WindowDecoder.run``."""
+
+    def __init__(self, spec: WindowSpec, run: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray],
+                 out: np.ndarray, step_dim: int, dtype: Any, max_batch: int, max_steps: int,
+                 code_limit: int | None) -> None:
+        self.spec = spec
+        self._run = run
+        self.out = out
+        """``[slots, out_cap]`` float32 (the shared memory)."""
+        self.step_dim, self.dtype = step_dim, np.dtype(dtype)
+        self.max_batch, self.max_steps = max_batch, max_steps
+        self.code_limit = code_limit
+        self._streams: dict[int, _Stream] = {}
+        self._first: deque[_Queued] = deque()
+        self._rest: deque[_Queued] = deque()
+        self.stats = WorkerStats()
+        sps = spec.geometry.samples_per_step
+        self.out_cap_steps = out.shape[1] // sps
+
+    @property
+    def queued_rows(self) -> int:
+        return len(self._first) + len(self._rest)
+
+    def submit(self, job_id: int, slot: int, x: np.ndarray, target: int, flags: int) -> tuple[int, int] | None:
+        """Take one push. Returns ``(status, samples)`` when it completes at once (no rows, or a
+        bad request), else ``None`` (``step`` reports it)."""
+        if not 0 <= slot < self.out.shape[0]:
+            return STATUS_BAD_INPUT, 0
+        st = self._streams.get(slot)
+        if st is None or flags & FLAG_RESET:
+            st = self._streams[slot] = _Stream(self.step_dim, self.dtype)
+        if st.final:
+            return STATUS_BAD_INPUT, 0
+        if x.shape[0] and self.code_limit is not None and (int(x.min()) < 0 or int(x.max()) >= self.code_limit):
+            return STATUS_BAD_INPUT, 0
+        try:
+            st.append(x, self.max_steps)
+        except ValueError:
+            return STATUS_BAD_INPUT, 0
+        final = bool(flags & FLAG_FINAL)
+        if final:
+            target = st.received
+        target = max(st.emitted, min(target, st.received))
+        if target - st.emitted > self.out_cap_steps:
+            return STATUS_BAD_INPUT, 0
+        rows = self.spec.rows(st.emitted, target, st.received, final)
+        st.emitted = target
+        st.final = final
+        job = _Job(job_id, slot, len(rows))
+        if not rows:
+            self._done_stream(st, slot)
+            return STATUS_OK, 0
+        queue = self._first if st.samples == 0 else self._rest
+        off = 0
+        for i, r in enumerate(rows):
+            queue.append(_Queued(job, st, r, off, final and i == len(rows) - 1))
+            off += r.samples
+        st.samples += off
+        return None
+
+    def _done_stream(self, st: _Stream, slot: int) -> None:
+        if st.final and self._streams.get(slot) is st:
+            del self._streams[slot]
+
+    def step(self) -> list[tuple[int, int, int]]:
+        """One forward over up to ``max_batch`` queued rows; returns ``(job_id, status, samples)``
+        of the jobs it completed."""
+        batch: list[_Queued] = []
+        while len(batch) < self.max_batch and (self._first or self._rest):
+            batch.append((self._first or self._rest).popleft())
+        if not batch:
+            return []
+        spec = self.spec
+        w, left = spec.window_steps, spec.left_steps
+        xs = np.zeros((len(batch), w, self.step_dim), self.dtype)
+        start = np.empty(len(batch), np.int64)
+        end = np.empty(len(batch), np.int64)
+        for i, q in enumerate(batch):
+            ws = q.row.start - left
+            lo, hi = max(0, ws), min(q.row.end, ws + w)
+            xs[i, lo - ws : hi - ws] = q.stream.hist[lo:hi]
+            start[i], end[i] = ws, q.row.end
+        t0 = time.perf_counter()
+        try:
+            y = self._run(xs, start, end)
+        except Exception:  # noqa: BLE001 - a failed forward fails its jobs, the process lives on
+            done: dict[int, tuple[int, int, int]] = {}
+            for q in batch:
+                done[q.job.job_id] = (q.job.job_id, STATUS_FORWARD_FAILED, 0)
+                q.job.rows_left = -1
+            self._drop_jobs({q.job.job_id for q in batch})
+            return list(done.values())
+        st = self.stats
+        st.forwards += 1
+        st.rows += len(batch)
+        st.busy_s += time.perf_counter() - t0
+        st.max_batch_seen = max(st.max_batch_seen, len(batch))
+        xf = spec.xfade
+        out: list[tuple[int, int, int]] = []
+        for i, q in enumerate(batch):
+            n = q.row.samples
+            audio = y[i, :n]
+            tail = q.stream.tail
+            if tail is not None and n:
+                k = min(tail.shape[0], n)
+                ramp = np.arange(1, k + 1, dtype=np.float32) / np.float32(k + 1)
+                audio = audio.copy()
+                audio[:k] = ramp * audio[:k] + (1.0 - ramp) * tail[:k]
+            q.stream.tail = None if (q.last or not xf) else y[i, n : n + xf].copy()
+            self.out[q.job.slot, q.offset : q.offset + n] = audio
+            q.job.samples += n
+            q.job.rows_left -= 1
+            if q.job.rows_left == 0:
+                st.jobs += 1
+                out.append((q.job.job_id, STATUS_OK, q.job.samples))
+                self._done_stream(q.stream, q.job.slot)
+        return out
+
+    def _drop_jobs(self, ids: set[int]) -> None:
+        for dq in (self._first, self._rest):
+            keep = [q for q in dq if q.job.job_id not in ids]
+            dq.clear()
+            dq.extend(keep)
+
+
+# --------------------------------------------------------------------------- the process
+
+
+def _send(sock: socket.socket, kind: int, status: int, job: int, samples: int) -> None:
+    sock.send(REP.pack(kind, status, job, samples))
+
+
+def serve(args: dict[str, Any], sock: socket.socket) -> None:
+    """Load the vocoder, warm up (CUDA graphs), report ready, then decode until the socket closes."""
+    import torch
+
+    from engine.decoder.nets import load_vocoder
+    from engine.decoder.windowed import WindowDecoder
+
+    if int(args.get("torch_threads", 0)) > 0:
+        torch.set_num_threads(int(args["torch_threads"]))
+    device = str(args.get("device") or "cpu")
+    voc = load_vocoder(args["model_dir"], use_hidden=bool(args.get("use_hidden")), device=device)
+    geo = voc.geometry
+    la = int(args.get("lookahead_steps", -1))
+    if la < 0 or la > geo.exact_lookahead_steps:
+        la = geo.exact_lookahead_steps
+    spec = WindowSpec(geo, int(args["chunk_steps"]), la)
+    max_batch = int(args["max_batch"])
+    dec = WindowDecoder(voc, spec, max_batch)
+    dec.warm_up()
+    slots, out_cap = int(args["slots"]), int(args["out_cap_steps"]) * geo.samples_per_step
+    fd = os.open(args["shm_path"], os.O_RDWR)
+    try:
+        mm = mmap.mmap(fd, slots * out_cap * 4, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    out = np.frombuffer(mm, dtype=np.float32).reshape(slots, out_cap)
+    limit = voc.front.vq_layer.quantizer.codebook_size if voc.uses_codes else None  # type: ignore[union-attr]
+    dtype = np.int64 if voc.uses_codes else np.float32
+    core = WorkerCore(spec, dec.run, out, dec.step_dim, dtype, max_batch, int(args["max_steps"]), limit)
+    wire_dtype = np.int16 if voc.uses_codes else np.float32
+    ready = {
+        "step_dim": dec.step_dim, "uses_codes": voc.uses_codes, "code_limit": limit,
+        "frames_per_step": geo.frames_per_step, "n_fft": geo.n_fft, "hop": geo.hop,
+        "stage_reaches": [[r.left, r.right] for r in geo.stage_reaches],
+        "lookahead_steps": la, "exact": spec.exact, "window_steps": spec.window_steps,
+        "buckets": dec.buckets, "device": device, "pid": os.getpid(),
+    }
+    sock.send(bytes([KIND_READY]) + json.dumps(ready).encode())
+
+    def handle(msg: bytes) -> None:
+        kind, flags, job, slot, n_new, target = REQ.unpack_from(msg)
+        if kind == KIND_STATS:
+            sock.send(bytes([KIND_STATS_REPLY]) + json.dumps(core.stats.as_dict()).encode())
+            return
+        payload = np.frombuffer(msg, dtype=wire_dtype, offset=REQ.size)
+        if payload.size != n_new * dec.step_dim:
+            _send(sock, KIND_JOB, STATUS_BAD_INPUT, job, 0)
+            return
+        res = core.submit(job, slot, payload.reshape(n_new, dec.step_dim).astype(dtype), target, flags)
+        if res is not None:
+            _send(sock, KIND_JOB, res[0], job, res[1])
+
+    while True:
+        try:
+            if core.queued_rows:
+                msg = sock.recv(MAX_MESSAGE_BYTES, socket.MSG_DONTWAIT)
+            else:
+                msg = sock.recv(MAX_MESSAGE_BYTES)
+        except BlockingIOError:
+            msg = None
+        except (ConnectionError, OSError):
+            return
+        if msg is not None:
+            if not msg:
+                return  # the gateway closed the socket (or died)
+            handle(msg)
+            while True:  # everything else already waiting joins this forward
+                try:
+                    more = sock.recv(MAX_MESSAGE_BYTES, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                except (ConnectionError, OSError):
+                    return
+                if not more:
+                    return
+                handle(more)
+        for job, status, samples in core.step():
+            _send(sock, KIND_JOB, status, job, samples)
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    sock = socket.socket(fileno=int(args["fd"]))
+    sock.setblocking(True)
+    try:
+        serve(args, sock)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the gateway went away mid-reply
+    finally:
+        sock.close()
+
+
+if __name__ == "__main__":
+    main()
