@@ -43,11 +43,11 @@ def make_model(root: Path, spice: bool) -> Path:
     from safetensors.torch import load_file, save_file
 
     from engine._compat import ensure_torch_companions
-    from engine.checkpoint import FULL, make_checkpoint
+    from engine.checkpoint import FULL, make_decoder_assets
 
     ensure_torch_companions()
     spec = dataclasses.replace(FULL, gpt_layers=1, gpt_intermediate=256, gpt_vocab=256, dvae_enc_layers=1, dvae_enc_hidden=32)
-    d = make_checkpoint(root / "full", spec, seed=0)
+    d = make_decoder_assets(root / "full", spec, seed=0)  # the decoder's files only (no upstream needed)
     if spice:
         gen = torch.Generator().manual_seed(2)
         for name in ["DVAE", "Vocos"]:
@@ -254,7 +254,8 @@ def placement(voc: Any, args: argparse.Namespace, model_dir: Path) -> list[dict[
             x = np.zeros((streams, w, 4), np.int64)
             for i in range(streams):
                 lo = max(0, a - left)
-                x[i, lo - (a - left):] = xs[i][lo : a - left + w]
+                seg = xs[i][lo : a - left + w]
+                x[i, lo - (a - left) : lo - (a - left) + len(seg)] = seg
             batches.append((x, np.full(streams, a - left), np.full(streams, a + args.chunk_steps + la)))
 
         async def push(i: int) -> None:

@@ -4,7 +4,8 @@
 #   forward and x real time per batch, eager baseline in the same run; the lookahead table; thread
 #   vs process placement); bench.gpu_e2e floor + e2e (engine floor, steady levels, closed loop).
 # Carry: .gpudeps .gpuw .gpukit. Results: $OUT/*.json|md|log and $OUT/all.tgz (everything).
-# Call B (same warm machine, /tmp kept): PHASE=B bash bench/gpu_decoder.sh (exact mode, burst).
+# Call B: PHASE=B bash bench/gpu_decoder.sh (decoder bench, steady 64/256 with raw records and py-spy of
+#   the gateway at 256, then the burst under deadline priorities and under FCFS).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -30,10 +31,21 @@ if [ "$PHASE" = A ]; then
     ${E2E_ARGS:-} > "$RES/e2e.log" 2>&1
   echo "gpu_e2e rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
 else
+  timeout 170 python3 -m bench.decoder_bench --device cuda --batches 1,16,64,256 --json-out "$RES/decoder.json" \
+    > "$RES/decoder.log" 2>&1
+  echo "decoder bench rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
+  python3 -m pip install -q --no-index --no-deps --target /tmp/spy .gpuw/py_spy-*.whl >> "$RES/setup.log" 2>&1
+  SPY=$(ls /tmp/spy/bin/py-spy 2>/dev/null || echo py-spy)
+  (  # py-spy on the gateway process during the 256-session level
+    for _ in $(seq 600); do grep -q "steady 256 sessions" "$RES/e2e.log" 2>/dev/null && break; sleep 1; done
+    sleep 5
+    GW=$(pgrep -n -f "python3 -m voicegw.cli serve")
+    [ -n "$GW" ] && timeout 20 "$SPY" record -p "$GW" -d 8 -r 100 --format raw -o "$RES/spy-gateway-256.txt" > "$RES/spy.log" 2>&1
+  ) &
   M=$(python3 -c "print(round(($(left) - 25) / 60, 2))")
-  timeout $(( $(left) - 10 )) python3 -m bench.gpu_e2e --phases e2e,burst --fresh --sessions "${SESSIONS:-1,64}" \
+  timeout $(( $(left) - 10 )) python3 -m bench.gpu_e2e --phases e2e,burst --fresh --sessions "${SESSIONS:-64,256}" \
     --duration 12 --settle 5 --compare-concurrency "" --throughput-sessions 0 --max-minutes "$M" --out "$RES/e2e" \
-    --gateway-arg engine.decoder_lookahead_steps=-1 ${E2E_ARGS:-} > "$RES/e2e.log" 2>&1
+    --keep-raw ${E2E_ARGS:-} > "$RES/e2e.log" 2>&1
   echo "gpu_e2e rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
 fi
 kill $DMON 2>/dev/null

@@ -267,6 +267,8 @@ class DecoderClient:
             raise EngineError(f"decoder geometry {self.geometry.samples_per_step} samples per step is not supported")
 
     async def close(self) -> None:
+        if self.failed is None:
+            self.failed = "decoder closed"  # from here on an EOF is ours, not a crash
         sock, self._sock = self._sock, None
         if sock is not None:
             with contextlib.suppress(Exception):
@@ -401,7 +403,7 @@ class DecoderClient:
     def _fail(self, why: str) -> None:
         if self.failed is None:
             self.failed = why
-            if self._proc is not None and self._proc.poll() is None and why != "decoder closed":
+            if why != "decoder closed":
                 _log.error("%s", why)
         err = EngineError(why, EngineErrorKind.UNRECOVERABLE)
         if self._ready is not None and not self._ready.done():

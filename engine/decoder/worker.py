@@ -329,6 +329,9 @@ def serve(args: dict[str, Any], sock: socket.socket) -> None:
 
 
 def main() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway shuts it down by closing the socket
     args = json.loads(sys.argv[1])
     sock = socket.socket(fileno=int(args["fd"]))
     sock.setblocking(True)
