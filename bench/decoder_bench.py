@@ -131,7 +131,7 @@ def lookahead_table(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     g = voc.geometry
     rng = np.random.default_rng(1)
     utts = [rng.integers(0, 625, (args.steps, 4)) for _ in range(args.utterances)]
-    wholes = [voc.decode_whole(torch.from_numpy(x)).numpy() for x in utts]
+    wholes = [voc.decode_whole(torch.from_numpy(x).to(next(voc.parameters()).device)).cpu().numpy() for x in utts]
     out = []
     for la in [int(v) for v in args.lookaheads.split(",")]:
         la = min(la, g.exact_lookahead_steps)
@@ -300,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "" else "cpu")
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--chunk-steps", type=int, default=16)
-    ap.add_argument("--first-chunk-steps", type=int, default=6)
-    ap.add_argument("--lookahead", type=int, default=4, help="window of the speed section (-1: exact)")
+    ap.add_argument("--first-chunk-steps", type=int, default=4)
+    ap.add_argument("--lookahead", type=int, default=8, help="window of the speed section [8: the default; -1: exact]")
     ap.add_argument("--lookaheads", default="0,2,4,8,16,52")
     ap.add_argument("--steps", type=int, default=200, help="steps per utterance (table)")
     ap.add_argument("--utterances", type=int, default=8)
