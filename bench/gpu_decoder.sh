@@ -20,16 +20,33 @@ echo "setup done in $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
 nvidia-smi dmon -s u -d 1 > "$RES/dmon.txt" 2>&1 &
 DMON=$!
 left() { echo $(( ${BUDGET_S:-575} - ($(date +%s) - T0) )); }
-if [ "$PHASE" = A ]; then
+if [ "$PHASE" = A ] || [ "$PHASE" = C ]; then
   timeout 170 python3 -m bench.decoder_bench --device cuda --batches 1,16,64,256 --json-out "$RES/decoder.json" \
     > "$RES/decoder.log" 2>&1
   echo "decoder bench rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
-  M=$(python3 -c "print(round(($(left) - 25) / 60, 2))")
-  timeout $(( $(left) - 10 )) python3 -m bench.gpu_e2e --phases floor,e2e --fresh --floor-concurrency 1,64 \
+  if [ "$PHASE" = C ]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/spy .gpuw/py_spy-*.whl >> "$RES/setup.log" 2>&1
+    SPY=$(ls /tmp/spy/bin/py-spy 2>/dev/null || echo py-spy)
+    (  # py-spy (non-blocking: the gateway is not paused) during the 256-session level
+      for _ in $(seq 600); do grep -q "steady 256 sessions" "$RES/e2e.log" 2>/dev/null && break; sleep 1; done
+      sleep 5
+      GW=$(pgrep -n -f "python3 -m voicegw.cli serve")
+      [ -n "$GW" ] && timeout 15 "$SPY" record --nonblocking -p "$GW" -d 6 -r 50 --format raw -o "$RES/spy-gateway-256.txt" > "$RES/spy.log" 2>&1
+    ) &
+  fi
+  M=$(python3 -c "print(round(($(left) - 25 - ${EXACT_S:-0}) / 60, 2))")
+  timeout $(( $(left) - 10 - ${EXACT_S:-0} )) python3 -m bench.gpu_e2e --phases ${PHASES_A:-floor,e2e} --fresh --floor-concurrency 1,64 \
     --floor-steps 128 --floor-max-seconds 25 --sessions "${SESSIONS:-1,64,256,400}" --duration 12 --settle 5 \
     --compare-concurrency "" --throughput-sessions 512 --max-minutes "$M" --out "$RES/e2e" \
     ${E2E_ARGS:-} > "$RES/e2e.log" 2>&1
   echo "gpu_e2e rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
+  if [ "${EXACT_S:-0}" -gt 0 ] && [ "$(left)" -gt 150 ]; then  # exact mode: seg-TTFA beside the default
+    M=$(python3 -c "print(round(($(left) - 20) / 60, 2))")
+    timeout $(( $(left) - 8 )) python3 -m bench.gpu_e2e --phases e2e --fresh --sessions 1,64 --duration 10 --settle 4 \
+      --compare-concurrency "" --throughput-sessions 0 --warmup-s 3 --max-minutes "$M" --out "$RES/exact" \
+      --gateway-arg engine.decoder_lookahead_steps=-1 > "$RES/exact.log" 2>&1
+    echo "exact gpu_e2e rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
+  fi
 else
   timeout 170 python3 -m bench.decoder_bench --device cuda --batches 1,16,64,256 --json-out "$RES/decoder.json" \
     > "$RES/decoder.log" 2>&1
@@ -54,6 +71,7 @@ cp "$RES/setup.log" "$OUT/" 2>/dev/null
 [ -f "$RES/decoder.json" ] && cp "$RES/decoder.json" "$OUT/"
 [ -f "$RES/e2e/gpu_e2e.json" ] && cp "$RES/e2e/gpu_e2e.json" "$OUT/"
 [ -f "$RES/e2e/gpu_e2e.md" ] && cp "$RES/e2e/gpu_e2e.md" "$OUT/"
+[ -f "$RES/exact/gpu_e2e.md" ] && cp "$RES/exact/gpu_e2e.md" "$OUT/gpu_e2e_exact.md"
 tar czf "$OUT/all-$PHASE.tgz" -C "$RES" . 2>/dev/null
 tail -25 "$RES/decoder.log" 2>/dev/null
 grep -E "real time|healthy in|level|TTFA" "$RES/e2e.log" | tail -30
