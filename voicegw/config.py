@@ -94,12 +94,6 @@ class EngineConfig:
     """vLLM: reuse KV of shared prompt prefixes (salted per speaker)."""
     scheduling_policy: str = "priority"
     """vLLM: ``priority`` (deadline-aware, see scheduler) or ``fcfs``."""
-    stream_interval: int = 4
-    """vLLM: a request's new codes reach the gateway every this many steps (its first step at once,
-    its last with the finish). Each delivery costs the gateway's one event loop vLLM's output
-    processing, a frame-table read and a pass of the speech loop per stream: at 256 sessions on
-    one H200 that loop was saturated with 1 (py-spy, bench/RESULTS.md). The decoder waits for
-    first_chunk_steps + lookahead steps anyway, and later chunks for 3 or more."""
     kv_cache_gib: float = 2.0
     """vLLM KV cache size on CPU, GiB (passed as ``kv_cache_memory_bytes``; a
     ``VLLM_CPU_KVCACHE_SPACE`` in the environment is removed while vLLM starts, so this wins)."""
@@ -403,8 +397,6 @@ def _validate(section: str, name: str, value: Any) -> None:
         raise ConfigError(f"engine.gpu_memory_utilization: must be in (0, 1], got {value!r}")
     if key == ("engine", "decoder_lookahead_steps") and value < -1:
         raise ConfigError(f"engine.decoder_lookahead_steps: must be >= -1 (-1 = exact), got {value!r}")
-    if key == ("engine", "stream_interval") and value < 1:
-        raise ConfigError(f"engine.stream_interval: must be >= 1, got {value!r}")
     if key == ("engine", "decoder_torch_threads") and value < 0:
         raise ConfigError(f"engine.decoder_torch_threads: must be >= 0, got {value!r}")
     if key == ("engine", "decoder_device") and not re.fullmatch(r"|cpu|cuda(:\d+)?", value):

@@ -134,7 +134,6 @@ class VllmCodeEngine:
             enable_chunked_prefill=self.cfg.enable_chunked_prefill,
             enable_prefix_caching=self.cfg.enable_prefix_caching,
             scheduling_policy=self.cfg.scheduling_policy,
-            stream_interval=max(1, int(getattr(self.cfg, "stream_interval", 1))),
             enforce_eager=self.cfg.enforce_eager,
             logits_processors=[logits_processor_fqcn()],
             worker_extension_cls="engine.vllm.worker_ext.ChatTTSWorkerExtension",
