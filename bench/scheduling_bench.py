@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random checkpoint when no --model-dir: tiny (fast: bursts rarely meet full slots on a "
                         "fast CPU) or small (near real time at a few streams: the contended regime)")
     p.add_argument("--policies", default="priority,fcfs",
-                   help="comma list of priority|buffer|fcfs; priority:lead=MS:slack=MS sets deadline-mode knobs, "
+                   help="comma list of priority|fcfs; priority:lead=MS:slack=MS sets deadline-mode knobs, "
                         "priority:dispatch=1[:reserve=F][:dlead=MS] adds gateway-side deadline dispatch, "
                         "priority:preempt=1[:pbuf=MS][:pmax=N][:rescue=MS] preemption of running segments for new "
                         "utterances (and for waiting streams about to run dry; rescue=0: not); priority:gen=0 deadlines "
@@ -115,33 +115,27 @@ def _flag(v: str) -> str:
 
 #: policy option -> (server setting, value converter)
 _POLICY_OPTIONS: dict[str, tuple[str, Callable[[str], str]]] = {
-    "dispatch": ("scheduler.dispatch", _flag),
-    "reserve": ("scheduler.reserved_slots_fraction", lambda v: str(float(v))),
-    "dlead": ("scheduler.dispatch_lead_ms", lambda v: str(float(v))),
     "preempt": ("scheduler.preempt", _flag),
     "pbuf": ("scheduler.preempt_min_buffer_ms", lambda v: str(float(v))),
     "pmax": ("scheduler.preempt_max_per_segment", lambda v: str(int(v))),
     "rescue": ("scheduler.preempt_rescue_ms", lambda v: str(float(v))),
     "rqueued": ("scheduler.preempt_rescue_queued", _flag),
     "pwait": ("scheduler.preempt_first_wait_ms", lambda v: str(float(v))),
-    "gen": ("scheduler.runway_counts_generating", _flag),
     "requeue": ("scheduler.requeue_waiting", _flag),
 }
 
 
 def _policy_spec(spec: str, lead: float | None, slack: float | None
                  ) -> tuple[str, float | None, float | None, dict[str, str]]:
-    """``priority``, ``fcfs``, ``buffer`` or ``priority:lead=0:slack=2000:dispatch=1:reserve=0.25:dlead=1500``.
+    """``priority``, ``fcfs`` or ``priority:lead=0:slack=2000:preempt=1``.
 
-    ``lead``/``slack``: deadline-mode knobs. ``dispatch=1``: gateway-side deadline dispatch
-    (``scheduler.dispatch``: continuing segments held while their client has audio ahead, slots
-    reserved for new utterances); ``reserve``: ``scheduler.reserved_slots_fraction``; ``dlead``:
-    ``scheduler.dispatch_lead_ms``. ``preempt=1``: ``scheduler.preempt`` (running continuing
+    ``lead``/``slack``: deadline-mode knobs. (Gateway-side dispatch, ``dispatch``/``reserve``/
+    ``dlead``, and ``gen=0`` were measured to lose and are gone.) ``preempt=1``: ``scheduler.preempt`` (running continuing
     segments with client audio to spare are paused and resumed for new utterances); ``pbuf``:
     ``scheduler.preempt_min_buffer_ms``; ``pmax``: ``scheduler.preempt_max_per_segment``;
     ``rescue``: ``scheduler.preempt_rescue_ms`` (0: no rescues of waiting streams); ``rqueued=1``:
     ``scheduler.preempt_rescue_queued``; ``pwait``: ``scheduler.preempt_first_wait_ms``;
-    ``gen=0``: ``scheduler.runway_counts_generating`` off; ``requeue=1``: ``scheduler.requeue_waiting``.
+    ``requeue=1``: ``scheduler.requeue_waiting``.
     Returns (policy, lead, slack, server overrides)."""
     name, *opts = spec.split(":")
     extra: dict[str, str] = {}

@@ -1,4 +1,4 @@
-"""Deadline-aware scheduling policy: segment -> vLLM priority, re-evaluation, admission.
+"""Deadline-aware scheduling policy: segment -> vLLM priority, admission, preemption choices.
 
 Pure policy: no asyncio, no sockets, no torch. The gateway feeds it numbers (what it sent,
 what the client reported playing, engine load) and acts on what it returns.
@@ -9,8 +9,7 @@ their client runs out of audio. A stream with 3 s buffered can wait 2 s without 
 new utterance with nothing buffered cannot wait at all. So:
 
 * ``SchedulingPolicy.segment_priority`` maps a segment to a vLLM request priority (lower runs
-  first, vLLM ``scheduling_policy="priority"``). Default mode ``deadline`` (earliest deadline
-  first): priority = the moment the segment's audio is needed, in ``bucket_ms`` units since
+  first, vLLM ``scheduling_policy="priority"``), earliest deadline first: priority = the moment the segment's audio is needed, in ``bucket_ms`` units since
   the policy's epoch:
 
   ==========================  ======================================================
@@ -21,13 +20,8 @@ new utterance with nothing buffered cannot wait at all. So:
                               ``urgent_buffer_ms``), clamped to [now, now + horizon]
   ==========================  ======================================================
 
-  Mode ``buffer`` is the relative variant: 0 first segment, 1 continuing with client buffer
-  < ``urgent_buffer_ms``, then one level per ``bucket_ms`` of buffer above it, capped at
-  ``priority_levels``. Its weakness: a request's priority is frozen when it is submitted
-  while its client keeps draining, so a stream that was deep when it submitted gets
-  overtaken by later, shallower ones until it underruns (measured with ``loadtest`` on the
-  ``sim`` engine: see docs/loadtest.md). Deadlines do not drift (the client plays its buffer
-  exactly as fast as the clock runs), so ``deadline`` needs no re-evaluation.
+  Deadlines do not drift (the client plays its buffer exactly as fast as the clock runs), so a
+  waiting request needs no re-evaluation.
 
   The client buffer is estimated by ``client_buffered_ms`` from what the gateway sent, the
   client's last ``playback`` report and the time since that report (the gateway's
@@ -40,20 +34,6 @@ new utterance with nothing buffered cannot wait at all. So:
   request's step rate, and vLLM has no API to change the priority of a request already
   submitted.
 
-* Re-evaluation (``SchedulingPolicy.reevaluate``), what is implemented:
-
-  - a segment still queued in the gateway (not yet submitted): its priority is computed at
-    submission time from the buffer level then (``Reevaluation.UPDATE``: nothing to undo);
-  - a request submitted to the engine that has produced no output yet: when the stream's
-    buffer has drained so that its priority would rise by at least ``promote_levels``,
-    ``Reevaluation.RESUBMIT`` (abort it and submit again with the new priority; it holds no
-    KV worth keeping, at most a partial prefill of a short prompt). Only promotion: demoting
-    would only lose its place in the queue while new utterances overtake it anyway.
-  - a running request (output flowing): ``Reevaluation.KEEP``. Resubmitting would throw
-    away its KV cache (its codes survive: ``SpeechRequest.prefix_codes`` resumes it, which is
-    what preemption uses). Running streams are protected by vLLM stepping every running
-    request each step; the gateway's flow window bounds how far ahead they run.
-
 * Admission (``AdmissionController``): before an utterance starts, estimate its
   time-to-first-audio from the engine load (running / waiting counts, ``max_num_seqs``) and a
   step-time model fed with observations (``StepTimeEstimator``). If it cannot start within
@@ -63,13 +43,6 @@ new utterance with nothing buffered cannot wait at all. So:
   meet the target even idle degrades latency instead of refusing everyone). The gateway
   (``gateway/dispatch.py``) uses ``require_queue``: it refuses only when no batch slot is free.
 
-* Dispatch (``SegmentDispatcher``): the lever vLLM lacks. Running requests are never preempted
-  for a better priority, so whatever holds the batch slots when a burst arrives sets its time to
-  first audio. The gateway therefore keeps continuing segments whose client still has audio
-  ahead out of the engine (held while the session's previous segment is still generating, and
-  while the engine holds ``capacity - reserved`` requests), and lets one through regardless
-  once its client's runway falls to ``lead_ms``. First segments always go straight in.
-
 * Preemption (``choose_preemptions``, ``scheduler.preempt``): the direct lever. When first
   segments wait while the engine is full, running continuing segments whose client has at
   least ``preempt_min_buffer_ms`` of audio ahead are aborted and resumed at once from their
@@ -78,7 +51,6 @@ new utterance with nothing buffered cannot wait at all. So:
 
 from __future__ import annotations
 
-import enum
 import math
 import time
 from collections.abc import Callable
@@ -89,11 +61,6 @@ from voicegw.config import SchedulerConfig
 #: Error code of an admission refusal: the gateway's ``error`` message ``code``
 #: (``gateway.protocol.ErrorCode.ENGINE_OVERLOADED``; a test keeps them equal).
 OVERLOADED_CODE = "engine_overloaded"
-
-#: Priority of the first segment of an utterance.
-FIRST_SEGMENT_PRIORITY = 0
-#: Priority of a continuing segment whose client is about to run dry.
-URGENT_PRIORITY = 1
 
 #: Real-time duration of one ChatTTS GPT step (512 samples at 24 kHz).
 REALTIME_STEP_MS = 512 / 24_000 * 1000.0
@@ -123,60 +90,26 @@ def client_buffered_ms(
     return max(0.0, in_flight_ms) + max(0, unsent_samples) * 1000.0 / sample_rate_hz
 
 
-class Reevaluation(enum.Enum):
-    """What to do with a segment whose stream's buffer level changed."""
-
-    KEEP = "keep"
-    """Leave it as it is."""
-    UPDATE = "update"
-    """Not submitted yet: just use the new priority when submitting."""
-    RESUBMIT = "resubmit"
-    """Abort the engine request and submit it again with the new priority."""
-
-
-class RequestPhase(enum.Enum):
-    PENDING = "pending"
-    """Queued in the gateway, not yet given to the engine."""
-    WAITING = "waiting"
-    """Given to the engine, no output received yet."""
-    RUNNING = "running"
-    """Output is flowing."""
-
-
-class PolicyMode(enum.StrEnum):
-    DEADLINE = "deadline"
-    """Priority = the segment's playback deadline (absolute, quantised): earliest deadline first."""
-    BUFFER = "buffer"
-    """Priority = bucket of the client buffer at submission (relative; goes stale while waiting)."""
-
-
 class SchedulingPolicy:
-    """Maps segments to vLLM priorities from the client's playback deadline.
+    """Maps segments to vLLM priorities from the client's playback deadline (earliest deadline
+    first).
 
-    Two modes (``PolicyMode``), same inputs:
-
-    * ``deadline`` (default): a continuing segment's deadline is ``now + buffered_ms -
-      slack_ms`` (when its client runs dry, less ``slack_ms`` -- default
-      ``urgent_buffer_ms`` -- for the time from getting a batch slot to first audio), clamped
-      to ``[now, now + priority_levels * bucket_ms]`` (streams buffered deeper than the horizon
-      are all "far"); a first segment's is ``now - first_lead_ms`` (default 0: as urgent as a
-      stream about to run dry, more urgent than any stream with audio in hand, and after
-      older requests already due). The priority is the deadline in ``bucket_ms`` units since
-      ``epoch_s``. Deadlines do not move as time passes (a client plays its buffer at the rate
-      the clock advances), so a request waiting in vLLM keeps the right place in the queue
-      without any re-evaluation, and vLLM's KV-pressure preemption picks the latest deadline.
-      ``first_lead_ms = priority_levels * bucket_ms`` is "first segment always first": measured
-      on CPU it starved playing streams (bench/RESULTS.md), so it is not the default.
-    * ``buffer``: the relative buckets of the module docstring (0 first segment, 1 urgent,
-      2..priority_levels by buffer). Simple, but a waiting request's priority is frozen at
-      submission while its client drains, so it needs ``reevaluate`` + resubmission.
+    A continuing segment's deadline is ``now + buffered_ms - slack_ms`` (when its client runs dry,
+    less ``slack_ms`` -- default ``urgent_buffer_ms`` -- for the time from getting a batch slot to
+    first audio), clamped to ``[now, now + priority_levels * bucket_ms]`` (streams buffered deeper
+    than the horizon are all "far"); a first segment's is ``now - first_lead_ms`` (default 0: as
+    urgent as a stream about to run dry, more urgent than any stream with audio in hand, and after
+    older requests already due). The priority is the deadline in ``bucket_ms`` units since
+    ``epoch_s``. Deadlines do not move as time passes (a client plays its buffer at the rate the
+    clock advances), so a request waiting in vLLM keeps the right place in the queue without any
+    re-evaluation, and vLLM's KV-pressure preemption picks the latest deadline.
+    ``first_lead_ms = priority_levels * bucket_ms`` is "first segment always first": measured on
+    CPU it starved playing streams (bench/RESULTS.md), so it is not the default.
     """
 
     def __init__(
         self,
         config: SchedulerConfig | None = None,
-        mode: PolicyMode | str = PolicyMode.DEADLINE,
-        promote_levels: int = 1,
         epoch_s: float = 0.0,
         first_lead_ms: float = 0.0,
         slack_ms: float | None = None,
@@ -186,22 +119,13 @@ class SchedulingPolicy:
             raise ValueError("priority_levels must be >= 1")
         if self.config.bucket_ms <= 0:
             raise ValueError("bucket_ms must be > 0")
-        if promote_levels < 1:
-            raise ValueError("promote_levels must be >= 1")
-        self.mode = PolicyMode(mode)
-        self.promote_levels = promote_levels
         self.epoch_s = epoch_s
         self.horizon_ms = self.config.priority_levels * self.config.bucket_ms
         self.first_lead_ms = max(0.0, first_lead_ms)
         self.slack_ms = self.config.urgent_buffer_ms if slack_ms is None else max(0.0, slack_ms)
 
-    @property
-    def lowest_priority(self) -> int:
-        """``buffer`` mode: the largest value ``segment_priority`` returns (least urgent)."""
-        return self.config.priority_levels
-
     def deadline_ms(self, segment_index: int, buffered_ms: float, now_s: float) -> float:
-        """When this segment's first audio is needed, ms since ``epoch_s`` (``deadline`` mode)."""
+        """When this segment's first audio is needed, ms since ``epoch_s``."""
         now_ms = (now_s - self.epoch_s) * 1000.0
         if segment_index <= 0:
             return now_ms - self.first_lead_ms
@@ -212,17 +136,9 @@ class SchedulingPolicy:
 
         ``segment_index``: 0 for the first segment of an utterance. ``buffered_ms``: audio the
         client has ahead of its playhead for this stream (``client_buffered_ms``). ``now_s``:
-        monotonic time (``deadline`` mode only).
+        monotonic time.
         """
-        cfg = self.config
-        if self.mode is PolicyMode.DEADLINE:
-            return math.floor(self.deadline_ms(segment_index, buffered_ms, now_s) / cfg.bucket_ms)
-        if segment_index <= 0:
-            return FIRST_SEGMENT_PRIORITY
-        if buffered_ms < cfg.urgent_buffer_ms or cfg.priority_levels == 1:
-            return URGENT_PRIORITY
-        bucket = 1 + int((buffered_ms - cfg.urgent_buffer_ms) // cfg.bucket_ms)
-        return min(URGENT_PRIORITY + bucket, cfg.priority_levels)
+        return math.floor(self.deadline_ms(segment_index, buffered_ms, now_s) / self.config.bucket_ms)
 
     def priority_fn(self, clock: Callable[[], float] = time.monotonic) -> Callable[[bool, float], int]:
         """The gateway's ``PriorityFn`` signature (``gateway/priority.py``):
@@ -233,25 +149,9 @@ class SchedulingPolicy:
 
         return fn
 
-    def reevaluate(self, phase: RequestPhase, current_priority: int, new_priority: int) -> Reevaluation:
-        """Should a segment's priority change now that its stream's buffer changed?
-
-        ``new_priority``: ``segment_priority`` recomputed now. Pending segments are updated
-        freely; waiting requests are resubmitted only when promoted by at least
-        ``promote_levels``; running ones are kept (module docstring). In ``deadline`` mode the
-        recomputed priority only moves when the client's buffer drained faster than real time
-        (a stall, a dropped report), so resubmissions are rare by construction.
-        """
-        if phase is RequestPhase.PENDING:
-            return Reevaluation.UPDATE if new_priority != current_priority else Reevaluation.KEEP
-        if phase is RequestPhase.WAITING and current_priority - new_priority >= self.promote_levels:
-            return Reevaluation.RESUBMIT
-        return Reevaluation.KEEP
-
 
 def make_priority_fn(
     config: SchedulerConfig | None = None,
-    mode: PolicyMode | str = PolicyMode.DEADLINE,
     clock: Callable[[], float] = time.monotonic,
     first_lead_ms: float = 0.0,
     slack_ms: float | None = None,
@@ -259,7 +159,7 @@ def make_priority_fn(
     """What the gateway session takes as its priority function (drop-in for
     ``gateway.priority.default_priority_fn``). The epoch is the clock at creation, so
     priorities stay small numbers."""
-    policy = SchedulingPolicy(config, mode, epoch_s=clock(), first_lead_ms=first_lead_ms, slack_ms=slack_ms)
+    policy = SchedulingPolicy(config, epoch_s=clock(), first_lead_ms=first_lead_ms, slack_ms=slack_ms)
     return policy.priority_fn(clock)
 
 
@@ -337,7 +237,7 @@ class EngineLoad:
     """Requests the engine is stepping."""
     waiting_ahead: int
     """Requests waiting for the engine that a new utterance's first segment would not overtake
-    (priority <= FIRST_SEGMENT_PRIORITY, i.e. other new utterances)."""
+    (other new utterances' first segments)."""
     max_num_seqs: int
     """Engine batch limit (``EngineConfig.max_num_seqs``)."""
 
@@ -412,10 +312,6 @@ class AdmissionController:
         if steps > 0:
             self._segment_steps += self._segment_alpha * (steps - self._segment_steps)
 
-    def observe_decode_ms(self, decode_ms: float) -> None:
-        if decode_ms >= 0 and math.isfinite(decode_ms):
-            self.decode_ms += 0.1 * (decode_ms - self.decode_ms)
-
     def estimate_ttfa_ms(self, load: EngineLoad) -> float:
         max_seqs = max(1, load.max_num_seqs)
         running = max(0, load.running)
@@ -462,149 +358,6 @@ class AdmissionController:
                     reason=f"step time at batch {batch} {step:.1f} ms > {self.max_step_ms:.1f} ms",
                 )
         return AdmissionDecision(True, estimate, limit, reason="within target")
-
-
-# ---------------------------------------------------------------------------------------------
-# Gateway-side dispatch: hold continuing segments that can afford to wait
-
-
-@dataclass(eq=False)
-class _Held:
-    key: str
-    group: str
-    seq: int
-    after: set[str]
-    runway_ms: float
-    runway_t_s: float
-
-    def runway_at(self, now_s: float) -> float:
-        return self.runway_ms - max(0.0, now_s - self.runway_t_s) * 1000.0
-
-    @property
-    def deadline_s(self) -> float:
-        return self.runway_t_s + self.runway_ms / 1000.0
-
-
-class SegmentDispatcher:
-    """Bounded earliest-deadline-first dispatch of segments into the engine, with slots held back
-    for new utterances.
-
-    Why: vLLM never preempts a running request for a better priority, and a ChatTTS segment holds
-    its batch slot for seconds. So whatever occupies the slots when a burst of new utterances
-    arrives decides their time to first audio, and reordering vLLM's (short) waiting queue
-    changes little (bench/RESULTS.md runs A-F). The lever is upstream of vLLM: do not hand the
-    engine work that can wait. A continuing segment can wait while its client still has audio
-    ahead of the playhead; a first segment cannot.
-
-    Rules (``poll``):
-
-    * first segments are never held: ``submit`` returns True, the caller starts them at once
-      (their vLLM priority already puts them first in vLLM's queue);
-    * a continuing segment is held while its session's earlier segment is still generating
-      (``after``: that audio is still coming, so the client's runway only grows) -- unless its
-      runway fell to ``lead_ms``;
-    * runway = the client's buffered audio when the segment was submitted, plus audio the
-      session received since (``credit``), minus the time since (the client plays in real time);
-    * eligible held segments go in deadline order (``runway_t_s + runway``: EDF) while fewer
-      than ``capacity - reserved`` requests are in the engine; ``reserved`` slots stay free
-      for first segments of new utterances; a segment whose runway fell to ``lead_ms`` is
-      dispatched regardless of the slot count (it would rather queue in vLLM, where its
-      deadline-priority orders it, than miss its deadline in the gateway).
-
-    Bounded: at most ``max_held`` segments are held (beyond it ``submit`` lets them through);
-    the gateway holds at most ``max_in_flight`` segments per session anyway. Slots count
-    requests given to the engine and not yet ``release``-d, as the gateway sees them: a stream
-    whose consumer is paused by flow control still counts, though vLLM may have finished it.
-    That only holds continuing segments longer (until their runway reaches ``lead_ms``); it
-    never delays a first segment.
-    """
-
-    def __init__(self, capacity: int, reserved: int = 1, lead_ms: float = 1_500.0, max_held: int = 4_096) -> None:
-        if capacity < 1 or reserved < 0 or max_held < 0 or lead_ms < 0:
-            raise ValueError("invalid SegmentDispatcher parameters")
-        self.capacity = capacity
-        self.reserved = min(reserved, capacity - 1)
-        self.lead_ms = lead_ms
-        self.max_held = max_held
-        self._active: set[str] = set()
-        self._held: dict[str, _Held] = {}
-        self._seq = 0
-        self.dispatched_now = 0
-        """Counters: segments started at once / held first / held and dispatched urgent."""
-        self.dispatched_held = 0
-        self.dispatched_urgent = 0
-
-    @property
-    def in_engine(self) -> int:
-        return len(self._active)
-
-    @property
-    def held(self) -> int:
-        return len(self._held)
-
-    def is_held(self, key: str) -> bool:
-        return key in self._held
-
-    def submit(self, key: str, group: str, first: bool, now_s: float, runway_ms: float,
-               after: tuple[str, ...] | list[str] | set[str] = ()) -> bool:
-        """A segment wants the engine. True: start it now (it counts as in the engine); False: it
-        is held: call ``poll`` (it may name this one at once, or later). ``after``: keys of the session's earlier segments that
-        are still generating (in the engine or held)."""
-        self._seq += 1
-        pending = {a for a in after if a in self._active or a in self._held}
-        if first or len(self._held) >= self.max_held:
-            self._active.add(key)
-            self.dispatched_now += 1
-            return True
-        self._held[key] = _Held(key, group, self._seq, pending, max(0.0, runway_ms), now_s)
-        return False
-
-    def credit(self, group: str, audio_ms: float) -> None:
-        """The session ``group`` received ``audio_ms`` of audio: its held segments' runway grows."""
-        if audio_ms <= 0:
-            return
-        for h in self._held.values():
-            if h.group == group:
-                h.runway_ms += audio_ms
-
-    def release(self, key: str) -> None:
-        """The segment finished, failed or was cancelled (held or in the engine)."""
-        self._active.discard(key)
-        self._held.pop(key, None)
-        for h in self._held.values():
-            h.after.discard(key)
-
-    def runway_ms(self, key: str, now_s: float) -> float | None:
-        h = self._held.get(key)
-        return None if h is None else h.runway_at(now_s)
-
-    def poll(self, now_s: float) -> list[str]:
-        """Held segments to start now (they now count as in the engine), earliest deadline first."""
-        out: list[str] = []
-        limit = self.capacity - self.reserved
-        for h in sorted(self._held.values(), key=lambda h: (h.deadline_s, h.seq)):
-            urgent = h.runway_at(now_s) <= self.lead_ms
-            if h.after and not urgent:
-                continue
-            if urgent or len(self._active) < limit:
-                del self._held[h.key]
-                self._active.add(h.key)
-                out.append(h.key)
-                if urgent and len(self._active) > limit:
-                    self.dispatched_urgent += 1
-                else:
-                    self.dispatched_held += 1
-        return out
-
-    def next_wake_s(self, now_s: float) -> float | None:
-        """When a held segment's runway reaches ``lead_ms`` (``poll`` then starts it)."""
-        if not self._held:
-            return None
-        return min(h.deadline_s - self.lead_ms / 1000.0 for h in self._held.values())
-
-
-# ---------------------------------------------------------------------------------------------
-# Preemption: make room for new utterances by pausing running segments that can afford it
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Server-wide engine scheduling at the I/O edge: admission and deadline dispatch.
+"""Server-wide engine scheduling at the I/O edge: admission and preemption.
 
 One ``EngineScheduler`` per ``GatewayServer`` (``for_server``), shared by its connections. It
 is the thin asyncio shell around the pure policies of ``engine.scheduler``:
@@ -7,10 +7,8 @@ is the thin asyncio shell around the pure policies of ``engine.scheduler``:
   engine, from the engine's load (``SpeechEngine.health().running_requests``, the batch limit
   ``engine.max_num_seqs``, first segments still waiting for output) and the step time it
   learned from chunk arrivals (``observe_chunk``). ``scheduler.admission``.
-* ``submit``/``release``: ``SegmentDispatcher`` decides when a continuing segment may enter the
-  engine (``scheduler.dispatch`` with ``engine.scheduling_policy = "priority"``); held segments
-  wait on an ``asyncio.Event``; a timer wakes the dispatcher when a held segment's client runway
-  reaches ``scheduler.dispatch_lead_ms``.
+* ``submit``/``release``: the segments the engine holds (first segments without audio yet
+  count as the queue a new utterance meets).
 * ``track``/``check_preemptions``: the server-wide registry of segments the engine is
   generating (every connection's) and, every ``CHECK_PERIOD_S`` (``scheduler.preempt``), two
   kinds of preemption: a first segment that waited ``scheduler.preempt_first_wait_ms`` for a slot
@@ -38,7 +36,6 @@ from engine.scheduler import (
     AdmissionDecision,
     EngineLoad,
     RunningSegment,
-    SegmentDispatcher,
     WaitingSegment,
     choose_preemptions,
     choose_rescues,
@@ -57,14 +54,6 @@ prefill in progress)."""
 RESCUE_RETRY_S = 0.5
 """Rescues: the same waiting segment causes another preemption at most this often (the freed
 slot may have gone to a segment with an earlier deadline)."""
-
-
-def reserved_slots(max_num_seqs: int, fraction: float) -> int:
-    """Slots held back for first segments: ``round(max_num_seqs * fraction)``, at least 1 when
-    ``fraction > 0``, at most ``max_num_seqs - 1``."""
-    if fraction <= 0 or max_num_seqs <= 1:
-        return 0
-    return max(1, min(max_num_seqs - 1, round(max_num_seqs * fraction)))
 
 
 def engine_load(in_engine: int, max_num_seqs: int, first_waiting: int, priority_scheduling: bool) -> EngineLoad:
@@ -100,14 +89,7 @@ class EngineScheduler:
             AdmissionController(sc, first_chunk_steps=config.engine.first_audio_steps, require_queue=True)
             if sc.admission else None
         )
-        self.dispatcher: SegmentDispatcher | None = None
-        if sc.dispatch and self.priority_scheduling:
-            self.dispatcher = SegmentDispatcher(
-                self.max_num_seqs, reserved_slots(self.max_num_seqs, sc.reserved_slots_fraction),
-                lead_ms=max(0.0, sc.dispatch_lead_ms))
-        self._turns: dict[str, asyncio.Event] = {}
         self._first_waiting: set[str] = set()
-        self._timer: asyncio.TimerHandle | None = None
         self.refused = 0
         # preemption hands the freed slot to a first segment through vLLM's priority queue: it
         # means nothing under FCFS (and an FCFS baseline must not preempt)
@@ -165,8 +147,6 @@ class EngineScheduler:
             n = int(self.engine.health().running_requests)
         except Exception:
             n = -1
-        if n < 0 and self.dispatcher is not None:
-            n = self.dispatcher.in_engine
         return max(0, n)
 
     def admit(self) -> AdmissionDecision | None:
@@ -191,26 +171,12 @@ class EngineScheduler:
         if self.admission is not None:
             self.admission.observe_segment_steps(steps)
 
-    # ---- dispatch ---------------------------------------------------------------------------
+    # ---- the segments in the engine ---------------------------------------------------------
 
-    def submit(self, key: str, group: str, first: bool, runway_ms: float, after: list[str]) -> asyncio.Event | None:
-        """None: start now. Else an event set when the segment may start (it was held)."""
+    def submit(self, key: str, first: bool) -> None:
+        """The segment ``key`` goes to the engine now (``release`` when it is done with it)."""
         if first:
             self._first_waiting.add(key)
-        d = self.dispatcher
-        if d is None:
-            return None
-        now = asyncio.get_running_loop().time()
-        if d.submit(key, group, first, now, runway_ms, after):
-            return None
-        ev = asyncio.Event()
-        self._turns[key] = ev
-        self._pump()  # may start it at once (the event is then already set)
-        return ev
-
-    def runway_ms(self, key: str) -> float | None:
-        d = self.dispatcher
-        return None if d is None else d.runway_ms(key, asyncio.get_running_loop().time())
 
     def first_output(self, key: str) -> None:
         self._first_waiting.discard(key)
@@ -218,22 +184,14 @@ class EngineScheduler:
         if key in self._tracked:
             self._has_output.add(key)
 
-    def credit(self, group: str, audio_ms: float) -> None:
-        if self.dispatcher is not None:
-            self.dispatcher.credit(group, audio_ms)
-
     def release(self, key: str) -> None:
         """The segment is done with the engine (finished, failed, cancelled; held or not)."""
         self._first_waiting.discard(key)
-        self._turns.pop(key, None)
         self._tracked.pop(key, None)
         self._has_output.discard(key)
         self._covered.discard(key)
         self._waiting_since.pop(key, None)
         self._rescued_at.pop(key, None)
-        if self.dispatcher is not None:
-            self.dispatcher.release(key)
-            self._pump()
 
     # ---- preemption ---------------------------------------------------------------------------
 
@@ -384,8 +342,8 @@ class EngineScheduler:
     def reprioritize(self, key: str, priority: int) -> None:
         """The session re-evaluated ``key``'s deadline (``Reprioritize``): resubmit it at
         ``priority`` if it still waits in the engine for a slot (the engine checks, atomically).
-        Held segments get their priority when dispatched anyway."""
-        if not self.requeue_enabled or (self.dispatcher is not None and self.dispatcher.is_held(key)):
+        """
+        if not self.requeue_enabled:
             return
         self._spawn(self._requeue(key, priority), f"requeue {key}")
 
@@ -403,26 +361,3 @@ class EngineScheduler:
                 log.debug("requeued %s at priority %d", key, priority)
         except Exception:
             log.exception("requeue of %s failed", key)
-
-    def _pump(self) -> None:
-        d = self.dispatcher
-        if d is None:
-            return
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        for key in d.poll(now):
-            ev = self._turns.pop(key, None)
-            if ev is not None:
-                ev.set()
-            else:  # its waiter is gone (cannot happen: release removes it first); free the slot
-                d.release(key)
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        at = d.next_wake_s(now)
-        if at is not None and math.isfinite(at):
-            self._timer = loop.call_at(max(at, now + 0.005), self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._pump()

@@ -24,7 +24,7 @@ import secrets
 import socket
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -523,7 +523,7 @@ class _Connection:
             elif isinstance(a, SendMessage):
                 self._enqueue(_Out(P.encode(a.message), True))
             elif isinstance(a, StartStream):
-                self._start_stream(a.request, a.in_hand_ms)
+                self._start_stream(a.request)
             elif isinstance(a, AbortStream):
                 self._abort_stream(a)
             elif isinstance(a, Reprioritize):
@@ -587,7 +587,7 @@ class _Connection:
         """Audio the client has ahead of its playhead now (ms; preemption)."""
         return float(self.session.flow.ahead_ms(self.loop.time()))
 
-    def _start_stream(self, request: SpeechRequest, buffered_ms: float = 0.0) -> None:
+    def _start_stream(self, request: SpeechRequest) -> None:
         rid = request.request_id
         first = rid.endswith("-0")  # the session names requests <session>-<utterance>-<segment>
         refusal: AdmissionDecision | None = None
@@ -596,9 +596,8 @@ class _Connection:
             if decision is not None and not decision.admit:
                 refusal = decision
                 self.metrics.admission_refused.inc()
-        after = list(self.runners)  # this session's earlier segments still generating
         gate = asyncio.Event()
-        task = asyncio.create_task(self._run_stream(request, gate, first, buffered_ms, after, refusal),
+        task = asyncio.create_task(self._run_stream(request, gate, first, refusal),
                                    name=f"stream {rid}")
         self.runners[rid] = _Runner(task, gate)
 
@@ -618,7 +617,6 @@ class _Connection:
             self.log.exception("engine abort of %s failed", request_id)
 
     async def _run_stream(self, request: SpeechRequest, gate: asyncio.Event, first: bool = False,
-                          buffered_ms: float = 0.0, after: list[str] | None = None,
                           refusal: AdmissionDecision | None = None) -> None:
         rid = request.request_id
         sched = self.sched
@@ -627,12 +625,7 @@ class _Connection:
         try:
             if refusal is not None:
                 raise EngineOverloaded(f"admission: {refusal.reason}", retry_after_ms=refusal.retry_after_ms)
-            turn = sched.submit(rid, self.session.id, first, buffered_ms, after or [])
-            if turn is not None:  # held in the gateway while its client has audio ahead
-                await turn.wait()
-                runway = sched.runway_ms(rid)
-                if runway is not None:  # the deadline now, not the one at submission
-                    request = replace(request, priority=int(self._base_priority(False, runway)))
+            sched.submit(rid, first)
             it = self.engine.synthesize(request)
             if sched.preempt_enabled:  # its periodic check may pause it, or pause others for it
                 sched.track(rid, self.session.id, first, self._client_buffered_ms,
@@ -650,7 +643,6 @@ class _Connection:
                 now = self.loop.time()
                 if chunk.pcm:
                     sched.first_output(rid)
-                    sched.credit(self.session.id, len(chunk.pcm) * 500.0 / max(1, chunk.sample_rate_hz))
                 sched.observe_chunk(chunk.steps, None if paused or t_prev is None else now - t_prev)
                 t_prev = now
                 steps += chunk.steps

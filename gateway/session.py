@@ -100,10 +100,6 @@ class TtfaParts:
 @dataclass(frozen=True)
 class StartStream:
     request: SpeechRequest
-    in_hand_ms: float = 0.0
-    """Audio the session had in hand when it submitted the segment (ahead of the client's
-    playhead plus held here; not the estimate of audio still generating): the runway that
-    gateway-side dispatch credits with the audio that arrives later."""
 
 
 @dataclass(frozen=True)
@@ -770,13 +766,13 @@ class Session:
             params=self._params,
             priority=priority,
             sample_rate_hz=self.rate_hz,
-        ), in_hand_ms=in_hand * 1000.0 / self.rate_hz))
+        )))
 
     def _expected_rest(self, s: _Stream) -> int:
         """Audio still expected from ``s`` if it is generating (its text's estimated duration less
-        what it produced; ``scheduler.runway_counts_generating``, else 0): with the audio in
-        hand, it plays before any later segment of the session."""
-        if not s.generating or not self.settings.scheduler.runway_counts_generating:
+        what it produced; 0 once it stopped): with the audio in hand, it plays before any later
+        segment of the session."""
+        if not s.generating:
             return 0
         return max(0, int(s.seg.units * self.settings.est_ms_per_unit * self.rate_hz / 1000.0) - s.seg.generated)
 

@@ -59,7 +59,7 @@ def _server_flags(p: argparse.ArgumentParser, default_engine: str | None) -> Non
                    help="start a gateway subprocess with this engine for the run")
     g.add_argument("--model-dir", default="", help="ChatTTS checkpoint (vllm/native); empty: a tiny random one")
     g.add_argument("--policy", choices=POLICIES, default="priority",
-                   help="served gateway's scheduling: priority (deadline), buffer (relative buckets), fcfs")
+                   help="served gateway's scheduling: priority (deadline), fcfs")
     g.add_argument("--first-lead-ms", type=float, default=None, help="served gateway: scheduler first_lead_ms")
     g.add_argument("--server-arg", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="extra gateway setting for the served gateway (repeatable)")

@@ -32,8 +32,8 @@ from loadtest.procmem import RssSampler
 
 READY_PREFIX = "READY "
 ENGINES = ("fake", "sim", "vllm", "native", "espeak")
-#: ``priority`` = engine.scheduler deadline mode; ``buffer`` = its relative-bucket mode.
-POLICIES = ("priority", "buffer", "fcfs")
+#: ``priority`` = engine.scheduler deadline priorities; ``fcfs`` = vLLM's arrival order.
+POLICIES = ("priority", "fcfs")
 #: Longest wait for a server to come up (a vLLM engine start on CPU takes 15-75 s).
 START_TIMEOUT_S = 240.0
 
@@ -221,10 +221,9 @@ async def _child(args: argparse.Namespace) -> None:
     if args.policy != "fcfs":
         from engine.scheduler import make_priority_fn
 
-        mode = "buffer" if args.policy == "buffer" else "deadline"
         lead = float(args.first_lead_ms) if args.first_lead_ms is not None else 0.0
         slack = float(args.slack_ms) if args.slack_ms is not None else None
-        priority_fn = make_priority_fn(cfg.scheduler, mode, first_lead_ms=lead, slack_ms=slack)
+        priority_fn = make_priority_fn(cfg.scheduler, first_lead_ms=lead, slack_ms=slack)
     else:
         def priority_fn(first_in_utterance: bool, client_buffered_ms: float) -> int:
             return 0

@@ -177,31 +177,11 @@ class SchedulerConfig:
     share the last level)."""
     bucket_ms: float = 500.0
     """Width of one priority bucket in ms of client-buffered audio."""
-    runway_counts_generating: bool = True
-    """A continuing segment's deadline (its engine priority) counts, besides the audio the client
-    has ahead and the audio the gateway holds, the audio still expected from this session's
-    segments generating ahead of it (text units x ``est_ms_per_unit``, less what they already
-    produced): the segment is needed when those finish playing, not now. Off: only audio in hand,
-    so a segment submitted while its predecessor has just started looks as urgent as a new
-    utterance and overtakes streams that are playing."""
     admission: bool = True
     """Admission control for the first segment of an utterance: when the engine has no free batch
     slot (``engine.max_num_seqs``) and the estimated time to first audio (queue length, learned
     step time and segment length) exceeds ``ttfa_target_ms``, the utterance fails at once with
     error ``engine_overloaded`` (the session stays open; the client may retry)."""
-    dispatch: bool = False
-    """Gateway-side deadline dispatch (``engine.scheduling_policy = "priority"`` only): continuing
-    segments whose client still has audio ahead are held in the gateway instead of occupying vLLM
-    batch slots, so new utterances find slots free (``engine.scheduler.SegmentDispatcher``). Off by
-    default: on the 2-CPU dev machine it made burst TTFA and playing streams worse than plain
-    deadline priorities (bench/RESULTS.md runs G-I): held work still has to run later, and a
-    half-empty batch wastes throughput an engine near capacity needs."""
-    reserved_slots_fraction: float = 0.25
-    """Dispatch: fraction of ``engine.max_num_seqs`` that held continuing segments leave free
-    for first segments of new utterances (at least one slot when > 0)."""
-    dispatch_lead_ms: float = 1_500.0
-    """Dispatch: a held continuing segment goes to the engine regardless of free slots once its
-    client's runway (audio ahead of the playhead) falls to this."""
     preempt: bool = False
     """Preemption for new utterances (vLLM backend, ``engine.scheduling_policy = "priority"``):
     when a first segment of an utterance has waited ``preempt_first_wait_ms`` for a batch slot

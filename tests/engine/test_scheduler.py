@@ -9,15 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.scheduler import (
-    FIRST_SEGMENT_PRIORITY,
     OVERLOADED_CODE,
     REALTIME_STEP_MS,
-    URGENT_PRIORITY,
     AdmissionController,
     EngineLoad,
-    PolicyMode,
-    Reevaluation,
-    RequestPhase,
     SchedulingPolicy,
     StepTimeEstimator,
     client_buffered_ms,
@@ -56,85 +51,11 @@ def test_buffered_rejects_bad_rate() -> None:
 # ----------------------------------------------------------------------------- priorities
 
 
-def test_first_segment_is_highest_priority_whatever_the_buffer() -> None:
-    p = SchedulingPolicy(CFG, "buffer")
-    assert p.segment_priority(0, 0.0) == FIRST_SEGMENT_PRIORITY == 0
-    assert p.segment_priority(0, 10_000.0) == 0
-
-
-def test_continuing_segments_by_bucket() -> None:
-    p = SchedulingPolicy(CFG, "buffer")
-    assert p.segment_priority(1, 0.0) == URGENT_PRIORITY == 1
-    assert p.segment_priority(3, 299.9) == 1
-    assert p.segment_priority(1, 300.0) == 2
-    assert p.segment_priority(1, 799.9) == 2
-    assert p.segment_priority(1, 800.0) == 3
-    assert p.segment_priority(1, 300.0 + 6 * 500.0) == 8
-    assert p.segment_priority(1, 1e9) == 8 == p.lowest_priority
-
-
-def test_single_level_config() -> None:
-    p = SchedulingPolicy(SchedulerConfig(priority_levels=1), "buffer")
-    assert p.segment_priority(0, 0.0) == 0
-    assert p.segment_priority(5, 5_000.0) == 1
-
-
 def test_invalid_policy_config() -> None:
     with pytest.raises(ValueError):
         SchedulingPolicy(SchedulerConfig(priority_levels=0))
     with pytest.raises(ValueError):
         SchedulingPolicy(SchedulerConfig(bucket_ms=0))
-    with pytest.raises(ValueError):
-        SchedulingPolicy(CFG, promote_levels=0)
-    with pytest.raises(ValueError):
-        SchedulingPolicy(CFG, "lifo")
-
-
-@given(
-    idx=st.integers(min_value=1, max_value=100),
-    a=st.floats(min_value=0, max_value=60_000, allow_nan=False),
-    b=st.floats(min_value=0, max_value=60_000, allow_nan=False),
-    levels=st.integers(min_value=1, max_value=32),
-    bucket=st.floats(min_value=1, max_value=5_000, allow_nan=False),
-)
-def test_priority_monotone_in_buffer_and_bounded(idx: int, a: float, b: float, levels: int, bucket: float) -> None:
-    p = SchedulingPolicy(SchedulerConfig(priority_levels=levels, bucket_ms=bucket), "buffer")
-    lo, hi = sorted((a, b))
-    assert URGENT_PRIORITY <= p.segment_priority(idx, lo) <= p.segment_priority(idx, hi) <= levels
-    assert p.segment_priority(0, hi) < p.segment_priority(idx, lo)
-
-
-# ----------------------------------------------------------------------------- re-evaluation
-
-
-def test_reevaluate_pending_updates_freely() -> None:
-    p = SchedulingPolicy(CFG)
-    assert p.reevaluate(RequestPhase.PENDING, 5, 2) is Reevaluation.UPDATE
-    assert p.reevaluate(RequestPhase.PENDING, 2, 5) is Reevaluation.UPDATE
-    assert p.reevaluate(RequestPhase.PENDING, 3, 3) is Reevaluation.KEEP
-
-
-def test_reevaluate_waiting_resubmits_only_on_promotion() -> None:
-    p = SchedulingPolicy(CFG, promote_levels=2)
-    assert p.reevaluate(RequestPhase.WAITING, 6, 4) is Reevaluation.RESUBMIT
-    assert p.reevaluate(RequestPhase.WAITING, 6, 5) is Reevaluation.KEEP  # hysteresis
-    assert p.reevaluate(RequestPhase.WAITING, 2, 6) is Reevaluation.KEEP  # never demote
-
-
-def test_reevaluate_running_is_kept() -> None:
-    p = SchedulingPolicy(CFG)
-    assert p.reevaluate(RequestPhase.RUNNING, 8, 1) is Reevaluation.KEEP
-
-
-def test_priority_drifts_up_as_a_stream_drains() -> None:
-    """A deep-buffered stream is deferred but becomes urgent as its client plays: no starvation."""
-    p = SchedulingPolicy(CFG, "buffer")
-    sent = 24_000 * 4  # 4 s sent, nothing more arrives
-    prios = [
-        p.segment_priority(1, client_buffered_ms(sent, 0, 24_000, ms_since_report=t)) for t in range(0, 4001, 250)
-    ]
-    assert prios == sorted(prios, reverse=True)
-    assert prios[0] == 8 and prios[-1] == URGENT_PRIORITY
 
 
 # ----------------------------------------------------------------------------- step time model
@@ -264,8 +185,6 @@ def test_admission_learns_from_observations() -> None:
         ac.observe_segment_steps(300)
     assert ac.mean_segment_steps > 100.0
     assert not ac.decide(load).admit
-    ac.observe_decode_ms(50.0)
-    assert ac.decode_ms > 10.0
 
 
 def test_overloaded_code_matches_wire_protocol() -> None:
@@ -273,25 +192,11 @@ def test_overloaded_code_matches_wire_protocol() -> None:
     assert OVERLOADED_CODE == protocol.ErrorCode.ENGINE_OVERLOADED.value
 
 
-def test_buffer_mode_priority_fn_matches_gateway_default_on_first_segments() -> None:
-    fn = make_priority_fn(CFG, "buffer")
-    assert fn(True, 5_000.0) == 0
-    assert fn(False, 0.0) == URGENT_PRIORITY
-    assert fn(False, 900.0) == SchedulingPolicy(CFG, "buffer").segment_priority(1, 900.0)
-    gp = pytest.importorskip("gateway.priority")
-    ref = gp.default_priority_fn(CFG)
-    for first in (True, False):
-        for ms in (0.0, 299.0, 1_000.0, 1e6):
-            assert 0 <= fn(first, ms) <= CFG.priority_levels
-            assert (fn(first, ms) == 0) == (ref(first, ms) == 0)
-
-
 # ----------------------------------------------------------------------------- deadline mode
 
 
 def test_deadline_mode_is_default_and_uses_absolute_time() -> None:
     p = SchedulingPolicy(CFG, epoch_s=100.0)
-    assert p.mode is PolicyMode.DEADLINE
     assert p.first_lead_ms == 0.0 and p.slack_ms == CFG.urgent_buffer_ms
     # continuing: deadline = now + buffer - slack, in 500 ms buckets since the epoch
     assert p.segment_priority(1, 1_300.0, now_s=110.0) == (10_000 + 1_000) // 500
@@ -310,7 +215,6 @@ def test_deadline_priority_does_not_drift_while_the_client_plays() -> None:
     for dt in (0.25, 1.0, 2.0, 2.9):
         later = p.segment_priority(1, client_buffered_ms(sent, 0, 24_000, dt * 1000.0), now_s=50.0 + dt)
         assert abs(later - at_submit) <= 1  # quantisation only
-        assert p.reevaluate(RequestPhase.WAITING, at_submit, later) in (Reevaluation.KEEP, Reevaluation.RESUBMIT)
 
 
 def test_deadline_orders_old_shallow_before_new_deep() -> None:

@@ -1,0 +1,27 @@
+"""Pure parts of gateway-side scheduling: the load a new utterance meets (``gateway.dispatch.engine_load``)
+and queue-only admission."""
+
+from __future__ import annotations
+
+from engine.scheduler import AdmissionController, EngineLoad, StepTimeEstimator
+from gateway.dispatch import engine_load
+from voicegw.config import SchedulerConfig
+
+
+def test_engine_load_priority_vs_fcfs() -> None:
+    assert engine_load(3, 4, 0, True) == EngineLoad(running=3, waiting_ahead=0, max_num_seqs=4)
+    # 7 in the engine, 4 slots: 3 queued; under priority only queued first segments are ahead
+    assert engine_load(7, 4, 1, True) == EngineLoad(4, 1, 4)
+    assert engine_load(7, 4, 1, False) == EngineLoad(4, 3, 4)
+    assert engine_load(-1, 0, 5, True) == EngineLoad(0, 0, 1)
+
+
+def test_queue_only_admission() -> None:
+    est = StepTimeEstimator(prior_step_ms=200.0, overhead_fraction=1.0)  # slow: 7 steps = 1.4 s
+    strict = AdmissionController(SchedulerConfig(ttfa_target_ms=100.0), est, idle_slack=1.0)
+    lenient = AdmissionController(SchedulerConfig(ttfa_target_ms=100.0), est, idle_slack=1.0, require_queue=True)
+    load = EngineLoad(running=2, waiting_ahead=0, max_num_seqs=4)  # a slot is free
+    assert lenient.decide(load).admit
+    assert strict.decide(load).admit  # idle-estimate floor: no queue, same as idle
+    full = EngineLoad(running=4, waiting_ahead=0, max_num_seqs=4)
+    assert not lenient.decide(full).admit and not strict.decide(full).admit
