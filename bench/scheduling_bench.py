@@ -47,11 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "fast CPU) or small (near real time at a few streams: the contended regime)")
     p.add_argument("--policies", default="priority,fcfs",
                    help="comma list of priority|fcfs; priority:lead=MS:slack=MS sets deadline-mode knobs, "
-                        "priority:dispatch=1[:reserve=F][:dlead=MS] adds gateway-side deadline dispatch, "
-                        "priority:preempt=1[:pbuf=MS][:pmax=N][:rescue=MS] preemption of running segments for new "
-                        "utterances (and for waiting streams about to run dry; rescue=0: not); priority:gen=0 deadlines "
-                        "from audio in hand only (not the predecessor's expected rest); priority:requeue=1 "
-                        "resubmits a waiting segment whose deadline moved earlier")
+                        "(dispatch, preemption, rescues, requeueing and gen=0 were measured to lose and are gone)")
     p.add_argument("--first-lead-ms", type=float, default=None, help="deadline policy: first segment lead")
     p.add_argument("--slack-ms", type=float, default=None, help="deadline policy: continuing-segment slack")
     p.add_argument("--max-num-seqs", type=int, default=4, help="engine batch limit (small: bursts must queue)")
@@ -115,27 +111,15 @@ def _flag(v: str) -> str:
 
 #: policy option -> (server setting, value converter)
 _POLICY_OPTIONS: dict[str, tuple[str, Callable[[str], str]]] = {
-    "preempt": ("scheduler.preempt", _flag),
-    "pbuf": ("scheduler.preempt_min_buffer_ms", lambda v: str(float(v))),
-    "pmax": ("scheduler.preempt_max_per_segment", lambda v: str(int(v))),
-    "rescue": ("scheduler.preempt_rescue_ms", lambda v: str(float(v))),
-    "rqueued": ("scheduler.preempt_rescue_queued", _flag),
-    "pwait": ("scheduler.preempt_first_wait_ms", lambda v: str(float(v))),
-    "requeue": ("scheduler.requeue_waiting", _flag),
 }
 
 
 def _policy_spec(spec: str, lead: float | None, slack: float | None
                  ) -> tuple[str, float | None, float | None, dict[str, str]]:
-    """``priority``, ``fcfs`` or ``priority:lead=0:slack=2000:preempt=1``.
+    """``priority``, ``fcfs`` or ``priority:lead=0:slack=2000``.
 
-    ``lead``/``slack``: deadline-mode knobs. (Gateway-side dispatch, ``dispatch``/``reserve``/
-    ``dlead``, and ``gen=0`` were measured to lose and are gone.) ``preempt=1``: ``scheduler.preempt`` (running continuing
-    segments with client audio to spare are paused and resumed for new utterances); ``pbuf``:
-    ``scheduler.preempt_min_buffer_ms``; ``pmax``: ``scheduler.preempt_max_per_segment``;
-    ``rescue``: ``scheduler.preempt_rescue_ms`` (0: no rescues of waiting streams); ``rqueued=1``:
-    ``scheduler.preempt_rescue_queued``; ``pwait``: ``scheduler.preempt_first_wait_ms``;
-    ``requeue=1``: ``scheduler.requeue_waiting``.
+    ``lead``/``slack``: deadline-mode knobs (gateway-side dispatch, preemption, rescues,
+    requeueing and ``gen=0`` were measured to lose and are gone: bench/RESULTS.md).
     Returns (policy, lead, slack, server overrides)."""
     name, *opts = spec.split(":")
     extra: dict[str, str] = {}

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 import weakref
@@ -117,12 +116,6 @@ class ChatTTSSpeech:
         """Replaced at ``start`` once the decoder reports its geometry (the exact lookahead)."""
         self.exact = self.policy.lookahead_steps >= 10**6
         self._active: dict[str, asyncio.Event] = {}
-        self._codes: dict[str, ResumableCodes] = {}
-        """Code streams of the running segments (``preempt``)."""
-        self.supports_preempt = bool(getattr(code_engine, "supports_resume", False)) and not self.use_hidden
-        """``preempt`` needs a code engine that resumes requests (vLLM) and the codes decoder path."""
-        self.preempt_enabled = False
-        """Segments started while this is set use the restartable code iterator (``enable_preemption``)."""
         self.restart_on_crash = bool(getattr(cfg, "restart_on_crash", True))
         self.restart_backoff_s = max(0.0, float(getattr(cfg, "restart_backoff_s", 5.0)))
         self.restarting = False
@@ -217,58 +210,7 @@ class ChatTTSSpeech:
         ev = self._active.get(request_id)
         if ev is not None:
             ev.set()
-        codes = self._codes.get(request_id)
-        if codes is not None and codes.engine_rid != request_id:
-            await codes.aclose()  # a resumed code request: its own id
         await self._code.abort(request_id)
-
-    def enable_preemption(self, on: bool = True) -> bool:
-        """Opt in to ``preempt`` (``scheduler.preempt``): later segments run on the restartable code
-        iterator; off (the default), segments read the code engine's stream directly. Returns
-        whether preemption is now on (False when the code engine cannot resume requests)."""
-        self.preempt_enabled = bool(on) and self.supports_preempt
-        return self.preempt_enabled
-
-    def preemptions(self, request_id: str) -> int | None:
-        """How often the running segment ``request_id`` was preempted (None: not running)."""
-        codes = self._codes.get(request_id)
-        return None if codes is None else codes.preemptions
-
-    def submitted(self, request_id: str) -> bool:
-        """The segment's code request went to the code engine (it counts in ``health()``)."""
-        codes = self._codes.get(request_id)
-        return codes is not None and codes.submitted
-
-    def awaiting_slot(self, request_id: str) -> bool:
-        """The segment's code request is in the code engine but has produced nothing yet (a
-        resumed one: nothing new since it was resubmitted): it waits for a batch slot."""
-        codes = self._codes.get(request_id)
-        return codes is not None and codes.awaiting_frames()
-
-    def can_preempt(self, request_id: str) -> bool:
-        """``request_id`` is running and generating now (a resumed one: once it produced again)."""
-        codes = self._codes.get(request_id)
-        return self.supports_preempt and codes is not None and codes.preemptible()
-
-    async def preempt(self, request_id: str, priority: int) -> bool:
-        """Preempt the running segment ``request_id``: abort its code request and resubmit it at
-        once as a resumed request (every frame received so far as the prefix) at ``priority``.
-        The segment's audio stream continues seamlessly. False when it cannot (unknown or
-        finishing segment, engine without resume, no step left)."""
-        codes = self._codes.get(request_id)
-        if codes is None or not self.supports_preempt:
-            return False
-        return await codes.preempt(priority)
-
-    async def reprioritize(self, request_id: str, priority: int) -> bool:
-        """Give the segment ``request_id`` a new engine priority while it still waits for a batch
-        slot (its code request produced nothing yet): abort and submit it again at ``priority``
-        (it holds no KV worth keeping). False when it cannot: not waiting any more, unknown, or
-        segments read the code engine directly (``enable_preemption`` off)."""
-        codes = self._codes.get(request_id)
-        if codes is None or not self.supports_preempt:
-            return False
-        return await codes.requeue(priority)
 
     # ------------------------------------------------------------------ synthesis
 
@@ -289,11 +231,7 @@ class ChatTTSSpeech:
         received = decoded = reported = 0
         loop = asyncio.get_running_loop()
         lead = StreamLead(SAMPLES_PER_STEP / NATIVE_SAMPLE_RATE_HZ)
-        frames_iter: AsyncIterator[CodeFrames]
-        if self.supports_preempt and self.preempt_enabled:
-            frames_iter = self._codes[rid] = ResumableCodes(self._code, request)
-        else:
-            frames_iter = self._code.generate(request)
+        frames_iter: AsyncIterator[CodeFrames] = self._code.generate(request)
         finished = False
         try:
             async for frames in frames_iter:
@@ -338,18 +276,13 @@ class ChatTTSSpeech:
         finally:
             stream.close()
             self._active.pop(rid, None)
-            engine_rid = rid
-            if isinstance(frames_iter, ResumableCodes):
-                engine_rid = frames_iter.engine_rid
-                if self._codes.get(rid) is frames_iter:
-                    del self._codes[rid]
             aclose = getattr(frames_iter, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
             if not finished:
                 with contextlib.suppress(Exception):
-                    await self._code.abort(engine_rid)
+                    await self._code.abort(rid)
 
     def _step_input(self, frames) -> np.ndarray | None:  # type: ignore[no-untyped-def]
         n = int(frames.codes.shape[0]) if frames.codes is not None else 0
@@ -369,198 +302,6 @@ class ChatTTSSpeech:
     @staticmethod
     def _encode(resampler: StreamResampler, audio: np.ndarray, last: bool) -> bytes:
         return bytes(float_to_pcm16(resampler.process(audio, last=last)).tobytes())
-
-
-_END = object()
-
-
-class ResumableCodes:
-    """A segment's code frames across preemptions: the restartable code iterator of
-    ``ChatTTSSpeech._synthesize``.
-
-    Until the first ``preempt`` it reads the code engine's stream directly (lazily, as the
-    consumer pulls). ``preempt(priority)`` aborts the running code request and, in a background
-    task, drains what that request still delivers, then resubmits the segment as a resumed
-    request (``SpeechRequest.prefix_codes`` = every frame received so far, new engine request id
-    ``<id>.p<n>``, the given priority) and forwards its frames. From then on the consumer reads
-    the task's queue (bounded by the segment's ``max_new_tokens`` frames: every item carries at
-    least one frame, bar the last). The frames the consumer sees continue without gap or
-    duplicate; the preemption's own abort never reaches it.
-    """
-
-    def __init__(self, code: CodeEngine, request: SpeechRequest) -> None:
-        self._code = code
-        self.request = request
-        self.rid = request.request_id
-        self.engine_rid = request.request_id
-        """Request id of the code request now running (``<id>.p<n>`` after ``n`` preemptions and requeues)."""
-        self.preemptions = 0
-        self.requeues = 0
-        """Times the request was resubmitted while waiting for a slot (``requeue``)."""
-        self.frames_received = 0
-        self._parts: list[np.ndarray] = []
-        self._it: AsyncIterator[CodeFrames] | None = code.generate(request)
-        self._it_done = False
-        self._lock = asyncio.Lock()
-        self._queue: asyncio.Queue[object] | None = None
-        self._pump: asyncio.Task[None] | None = None
-        self._pending_priority: int | None = None
-        self._pending_requeue = False
-        self.submitted = False
-        """The first code request was started (its ``generate`` entered)."""
-        self._resumed_waiting = False
-        self._finished = False
-        self._closed = False
-
-    # ---- consumer side
-
-    def __aiter__(self) -> ResumableCodes:
-        return self
-
-    async def __anext__(self) -> CodeFrames:
-        while True:
-            if self._queue is not None:
-                item = await self._queue.get()
-                if item is _END:
-                    raise StopAsyncIteration
-                if isinstance(item, BaseException):
-                    raise item
-                assert isinstance(item, CodeFrames)
-                return item
-            async with self._lock:
-                if self._queue is not None:
-                    continue  # preempted while we waited
-                if self._it is None or self._it_done:
-                    raise StopAsyncIteration
-                self.submitted = True
-                try:
-                    fr = await anext(self._it)
-                except StopAsyncIteration:
-                    self._it_done = True
-                    raise
-                out = self._take(fr)
-                if out is None:
-                    continue
-                return out
-
-    # ---- preemption
-
-    def preemptible(self, max_preemptions: int | None = None) -> bool:
-        """True when ``preempt`` would pause a code request that is generating now (not finished,
-        not being preempted, not a resumed request still waiting for its first new frame)."""
-        if self._closed or self._finished or self._pending_priority is not None or self._resumed_waiting:
-            return False
-        if max_preemptions is not None and self.preemptions >= max_preemptions:
-            return False
-        # a resumed request needs at least one step left
-        return self.frames_received + 1 < int(self.request.params.max_new_tokens)
-
-    def awaiting_frames(self) -> bool:
-        """Submitted and no frame yet, or resumed and no new frame yet (not finished, not closing,
-        not between a preemption's abort and its resubmission)."""
-        if self._closed or self._finished or self._pending_priority is not None:
-            return False
-        return self._resumed_waiting or (self.submitted and self.frames_received == 0)
-
-    async def preempt(self, priority: int) -> bool:
-        """Abort the running code request and resume it at ``priority``. False when the segment
-        is finished, closing, already being preempted, or has no step left."""
-        if not self.preemptible():
-            return False
-        await self._restart(priority, requeue=False)
-        return True
-
-    async def requeue(self, priority: int) -> bool:
-        """Resubmit the code request at ``priority`` while it waits for a batch slot (submitted,
-        nothing received yet): a new place in the engine's queue, not a preemption. Frames that
-        raced in before the abort become the prefix, as for ``preempt``. False when it is not
-        waiting."""
-        if not self.awaiting_frames():
-            return False
-        await self._restart(priority, requeue=True)
-        return True
-
-    async def _restart(self, priority: int, requeue: bool) -> None:
-        self._pending_priority = int(priority)
-        self._pending_requeue = requeue
-        if self._queue is None:
-            self._queue = asyncio.Queue()
-            self._pump = asyncio.create_task(self._run_pump(), name=f"resume {self.rid}")
-        await self._code.abort(self.engine_rid)
-
-    def _take(self, fr: CodeFrames) -> CodeFrames | None:
-        """Record ``fr``'s frames; the preemption's own abort becomes a non-final frame (None if
-        it carries no frames) and marks the current code request done."""
-        n = int(fr.codes.shape[0]) if fr.codes is not None else 0
-        if n:
-            self._resumed_waiting = False
-            self._parts.append(np.asarray(fr.codes, dtype=np.int64))
-            self.frames_received += n
-        if fr.finished:
-            self._it_done = True
-            if fr.finish_reason == "abort" and self._pending_priority is not None and not self._closed:
-                return dataclasses.replace(fr, request_id=self.rid, finished=False, finish_reason=None) if n else None
-            self._finished = True
-        return dataclasses.replace(fr, request_id=self.rid) if fr.request_id != self.rid else fr
-
-    async def _run_pump(self) -> None:
-        q = self._queue
-        assert q is not None
-        try:
-            async with self._lock:
-                while True:
-                    it = self._it
-                    while it is not None and not self._it_done:
-                        try:
-                            fr = await anext(it)
-                        except StopAsyncIteration:
-                            self._it_done = True
-                            break
-                        out = self._take(fr)
-                        if out is not None:
-                            q.put_nowait(out)
-                    await _aclose(it)
-                    prio, self._pending_priority = self._pending_priority, None
-                    if prio is None or self._finished or self._closed:
-                        break
-                    if self._pending_requeue:
-                        self.requeues += 1
-                    else:
-                        self.preemptions += 1
-                    prefix = np.concatenate(self._parts) if self._parts else None
-                    if prefix is not None and len(prefix) >= int(self.request.params.max_new_tokens):
-                        # every step arrived before the abort took effect: finished, not resumed
-                        self._finished = True
-                        q.put_nowait(CodeFrames(request_id=self.rid, codes=prefix[:0], finished=True,
-                                                finish_reason="length"))
-                        break
-                    self.engine_rid = f"{self.rid}.p{self.preemptions + self.requeues}"
-                    req = dataclasses.replace(
-                        self.request, request_id=self.engine_rid, priority=prio, prefix_codes=prefix
-                    )
-                    self._it = self._code.generate(req)
-                    self._it_done = False
-                    self._resumed_waiting = True
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer
-            q.put_nowait(exc)
-        finally:
-            q.put_nowait(_END)
-
-    async def aclose(self) -> None:
-        self._closed = True
-        pump, self._pump = self._pump, None
-        if pump is not None and not pump.done():
-            pump.cancel()
-            with contextlib.suppress(BaseException):
-                await pump
-        await _aclose(self._it)
-
-
-async def _aclose(it: object) -> None:
-    aclose = getattr(it, "aclose", None)
-    if aclose is not None:
-        with contextlib.suppress(Exception):
-            await aclose()
 
 
 def _split_steps(pending: list[np.ndarray], n: int) -> tuple[list[np.ndarray], list[np.ndarray]]:

@@ -57,16 +57,6 @@ class GatewayMetrics:
             "Utterances refused by admission control (error engine_overloaded, with retry_after_ms)",
             registry=r,
         )
-        self.preemptions = Counter(
-            "voicegw_preemptions_total",
-            "Continuing segments preempted (paused in the engine, resumed later) to start first "
-            "segments sooner or to resume a stream about to run dry (scheduler.preempt)", registry=r,
-        )
-        self.requeues = Counter(
-            "voicegw_requeues_total",
-            "Continuing segments waiting for a batch slot resubmitted at an earlier priority once "
-            "their predecessor's audio was known (scheduler.requeue_waiting)", registry=r,
-        )
         self.engine_running = Gauge(
             "voicegw_engine_running_requests", "Engine requests running (engine health)", registry=r
         )

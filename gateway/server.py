@@ -52,7 +52,6 @@ from gateway.session import (
     Action,
     Close,
     EngineFailure,
-    Reprioritize,
     SendAudio,
     SendMessage,
     Session,
@@ -526,9 +525,6 @@ class _Connection:
                 self._start_stream(a.request)
             elif isinstance(a, AbortStream):
                 self._abort_stream(a)
-            elif isinstance(a, Reprioritize):
-                if a.request_id in self.runners:
-                    self.sched.reprioritize(a.request_id, a.priority)
             elif isinstance(a, Close):
                 if self.close_req is None:
                     self.close_req = a
@@ -583,10 +579,6 @@ class _Connection:
 
     # ---- engine streams -----------------------------------------------------------------
 
-    def _client_buffered_ms(self) -> float:
-        """Audio the client has ahead of its playhead now (ms; preemption)."""
-        return float(self.session.flow.ahead_ms(self.loop.time()))
-
     def _start_stream(self, request: SpeechRequest) -> None:
         rid = request.request_id
         first = rid.endswith("-0")  # the session names requests <session>-<utterance>-<segment>
@@ -627,9 +619,6 @@ class _Connection:
                 raise EngineOverloaded(f"admission: {refusal.reason}", retry_after_ms=refusal.retry_after_ms)
             sched.submit(rid, first)
             it = self.engine.synthesize(request)
-            if sched.preempt_enabled:  # its periodic check may pause it, or pause others for it
-                sched.track(rid, self.session.id, first, self._client_buffered_ms,
-                            lambda ms: int(self._base_priority(False, ms)))
             t_prev: float | None = None
             while True:
                 paused = not gate.is_set()

@@ -130,16 +130,7 @@ class Close:
     reason: P.CloseReason
 
 
-@dataclass(frozen=True)
-class Reprioritize:
-    """A segment still waiting for its first audio should have this engine priority
-    (``scheduler.requeue_waiting``); the engine resubmits it if it can, else nothing happens."""
-
-    request_id: str
-    priority: int
-
-
-Action = StartStream | AbortStream | Reprioritize | SendMessage | SendAudio | Close
+Action = StartStream | AbortStream | SendMessage | SendAudio | Close
 
 
 class EngineFailure(enum.Enum):
@@ -370,24 +361,9 @@ class Session:
         return out
 
     def _generated_all(self, now_s: float, s: _Stream, out: list[Action]) -> None:
-        """``s`` produced all its audio. Its successors' deadlines counted an estimate of it; now
-        the audio in hand is exact: a successor still waiting for its first audio whose deadline
-        is earlier than its priority says is reprioritized (``scheduler.requeue_waiting``)."""
+        """``s`` produced all its audio."""
         s.generating = False
         s.seg.finished = True
-        if not self.settings.scheduler.requeue_waiting:
-            return
-        in_hand = self._flow.ahead(now_s)
-        ahead_expected = 0
-        for t in self._streams:
-            in_hand += t.held_samples
-            if t.generating and t.seg.generated == 0 and t.seg.index > 0:
-                runway_ms = (in_hand + ahead_expected) * 1000.0 / self.rate_hz
-                priority = int(self._priority_fn(False, runway_ms))
-                if priority < t.priority:
-                    t.priority = priority
-                    out.append(Reprioritize(t.request_id, priority))
-            ahead_expected += self._expected_rest(t)
 
     def on_engine_error(self, now_s: float, request_id: str, failure: EngineFailure,
                         retry_after_ms: float | None = None) -> list[Action]:

@@ -112,7 +112,5 @@ def server_breakdown(before: Samples | None, after: Samples | None) -> dict[str,
     return {
         "ttfa": histogram_delta(before, after, "voicegw_ttfa_seconds").get(""),
         "ttfa_parts": histogram_delta(before, after, "voicegw_ttfa_part_seconds", "part"),
-        "preemptions": counter_delta(before, after, "voicegw_preemptions_total"),
-        "requeues": counter_delta(before, after, "voicegw_requeues_total"),
         "admission_refused": counter_delta(before, after, "voicegw_admission_refused_total"),
     }

@@ -182,45 +182,6 @@ class SchedulerConfig:
     slot (``engine.max_num_seqs``) and the estimated time to first audio (queue length, learned
     step time and segment length) exceeds ``ttfa_target_ms``, the utterance fails at once with
     error ``engine_overloaded`` (the session stays open; the client may retry)."""
-    preempt: bool = False
-    """Preemption for new utterances (vLLM backend, ``engine.scheduling_policy = "priority"``):
-    when a first segment of an utterance has waited ``preempt_first_wait_ms`` for a batch slot
-    (the engine holds ``engine.max_num_seqs`` requests), one running continuing segment whose
-    client has at least ``preempt_min_buffer_ms`` buffered is aborted and at once resubmitted as a resumed request (its codes so far as the
-    prompt prefix, its deadline priority), so the first segment takes its batch slot instead of
-    waiting for slot turnover. The preempted stream's audio continues seamlessly; a preempted
-    stream about to run dry is rescued (``preempt_rescue_ms``). Never under FCFS. Off by default:
-    on a 2-core CPU (bench/RESULTS.md, Scheduling) it cut the burst's TTFA p99 5.5x against FCFS
-    on one machine (run U; playing streams 1 underrun of 64 ms vs 0), but on a faster one with
-    the engine near capacity no variant beat FCFS on both the burst's p99 and the playing
-    streams' underruns (runs Y-Z3)."""
-    preempt_min_buffer_ms: float = 1_000.0
-    """Preemption: only segments whose client has at least this much audio ahead of its playhead
-    (at most ``limits.flow_window_ms`` is ever ahead)."""
-    preempt_max_per_segment: int = 2
-    """Preemption: a segment is preempted at most this many times."""
-    preempt_first_wait_ms: float = 150.0
-    """Preemption: a first segment makes room only once it has waited this long for a batch slot
-    without producing (checked every 50 ms), so that a slot about to turn over costs no
-    preemption (a re-prefill and a resumed stream)."""
-    preempt_rescue_ms: float = 700.0
-    """Preemption (with ``preempt``): a preempted segment that still waits in the engine for a
-    batch slot while its client has less than this buffered (and no other segment of its session
-    is generating) takes the slot of a running continuing segment whose client has at least
-    ``preempt_min_buffer_ms`` (``engine.scheduler.choose_rescues``), so that a stream paused for a
-    new utterance resumes before it runs dry. Segments queued because the engine is
-    oversubscribed are not rescued (unless ``preempt_rescue_queued``). Checked every 50 ms.
-    0 = off."""
-    preempt_rescue_queued: bool = False
-    """Preemption: rescue any continuing segment waiting for a slot, not only preempted ones
-    (earliest deadline first across running and waiting streams, a re-prefill per swap)."""
-    requeue_waiting: bool = False
-    """Re-evaluation (``engine.scheduling_policy = "priority"``, an engine that can resubmit:
-    vLLM): when a segment stops generating, the next segment of its session that still waits
-    for a batch slot (nothing produced yet) gets its deadline again, now from the audio really
-    in hand; if that is earlier than its priority says (its predecessor came out shorter than
-    its text predicted) the engine request is aborted and submitted again at the earlier
-    priority (cheap: a waiting request holds no KV)."""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ from gateway.session import (
     Action,
     Close,
     EngineFailure,
-    Reprioritize,
     SendAudio,
     SendMessage,
     Session,
@@ -455,25 +454,3 @@ def test_continuing_segment_runway_counts_audio_still_expected_ahead():
     assert runway_ms <= 100.0 + expected_rest_ms + 1.0
     assert second.request.priority == 1
 
-
-@pytest.mark.parametrize("requeue", [True, False])
-def test_waiting_successor_is_reprioritized_when_predecessor_ends_short(requeue: bool):
-    """``scheduler.requeue_waiting``: the successor's deadline counted the predecessor's estimated
-    duration; the predecessor ends after 100 ms, so the successor (no audio yet) is promoted."""
-    sched = SchedulerConfig(requeue_waiting=requeue)
-    s = Session("Q", SessionSettings(limits=LimitsConfig(), scheduler=sched, est_ms_per_unit=70.0, max_in_flight=2,
-                                     segmenter=SegmenterConfig(first_min_units=5, min_units=10)), 0.0)
-    s.on_text_frame(0.0, '{"type":"session.start","sample_rate":16000}')
-    acts = s.on_text_frame(0.0, '{"type":"text.delta","text":"Hello world, this is a sentence that follows. "}')
-    first, second = starts(acts)
-    assert second.request.priority == 2  # default buckets: ~770 ms expected ahead -> 1 + 1
-    rid = first.request.request_id
-    acts = s.on_audio(0.01, rid, AudioChunk(rid, b"\x00\x00" * 100 * MS, RATE, finished=True))
-    reprios = [a for a in acts if isinstance(a, Reprioritize)]
-    if requeue:
-        assert reprios == [Reprioritize(second.request.request_id, 1)]
-        # once: the same finish is not reported again, and a producing successor is left alone
-        s.on_audio(0.02, second.request.request_id, AudioChunk(second.request.request_id, b"\x00\x00" * MS, RATE))
-        assert not [a for a in s.on_stream_end(0.03, rid) if isinstance(a, Reprioritize)]
-    else:
-        assert not reprios
