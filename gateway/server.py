@@ -522,7 +522,7 @@ class _Connection:
             elif isinstance(a, SendMessage):
                 self._enqueue(_Out(P.encode(a.message), True))
             elif isinstance(a, StartStream):
-                self._start_stream(a.request)
+                self._start_stream(a.request, a.first)
             elif isinstance(a, AbortStream):
                 self._abort_stream(a)
             elif isinstance(a, Close):
@@ -579,9 +579,8 @@ class _Connection:
 
     # ---- engine streams -----------------------------------------------------------------
 
-    def _start_stream(self, request: SpeechRequest) -> None:
+    def _start_stream(self, request: SpeechRequest, first: bool) -> None:
         rid = request.request_id
-        first = rid.endswith("-0")  # the session names requests <session>-<utterance>-<segment>
         refusal: AdmissionDecision | None = None
         if first:
             decision = self.sched.admit()

@@ -100,6 +100,8 @@ class TtfaParts:
 @dataclass(frozen=True)
 class StartStream:
     request: SpeechRequest
+    first: bool = False
+    """The first segment of its utterance (admission asks about these only)."""
 
 
 @dataclass(frozen=True)
@@ -742,7 +744,7 @@ class Session:
             params=self._params,
             priority=priority,
             sample_rate_hz=self.rate_hz,
-        )))
+        ), first=first))
 
     def _expected_rest(self, s: _Stream) -> int:
         """Audio still expected from ``s`` if it is generating (its text's estimated duration less
