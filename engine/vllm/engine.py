@@ -21,6 +21,7 @@ import importlib.util
 import logging
 import os
 import secrets
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -75,6 +76,10 @@ def effective_min_new(p: SamplingParams) -> int:
     if p.ignore_eos:
         return p.max_new_tokens
     return max(1, p.min_new_tokens)
+
+
+_ENV_LOCK = threading.Lock()
+"""Serializes the environment patch of engine construction (``VllmCodeEngine._construct``)."""
 
 
 class VllmCodeEngine:
@@ -215,22 +220,25 @@ class VllmCodeEngine:
 
         register()  # this process; spawned ones register via the entry point or _boot/
 
-        saved = {k: os.environ.get(k) for k in env}
-        for k, val in env.items():
-            if val is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = val
-        try:
-            return AsyncLLM.from_engine_args(self.engine_args())
-        finally:
-            for k, v in saved.items():
-                if k == "VLLM_USE_V2_MODEL_RUNNER":
-                    continue  # vLLM may read it lazily in this process too; keep it
-                if v is None:
+        # The environment is the process's: two engines constructing at once (a restart beside a
+        # start) would each save the other's patch as "original" and one would leave it behind.
+        with _ENV_LOCK:
+            saved = {k: os.environ.get(k) for k in env}
+            for k, val in env.items():
+                if val is None:
                     os.environ.pop(k, None)
                 else:
-                    os.environ[k] = v
+                    os.environ[k] = val
+            try:
+                return AsyncLLM.from_engine_args(self.engine_args())
+            finally:
+                for k, v in saved.items():
+                    if k == "VLLM_USE_V2_MODEL_RUNNER":
+                        continue  # vLLM may read it lazily in this process too; keep it
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
 
     async def _warm(self) -> None:
         """Short requests that run first-use paths before real traffic: greedy and sampled, with
