@@ -22,7 +22,6 @@ import json
 import logging
 import mmap
 import os
-import secrets
 import socket
 import subprocess
 import sys
@@ -49,6 +48,7 @@ from engine.decoder.worker import (
     SOCKET_BUFFER_BYTES,
     STATUS_OK,
 )
+from engine.shm import map_file, new_path
 
 _log = logging.getLogger(__name__)
 
@@ -209,16 +209,9 @@ class DecoderClient:
         loop = asyncio.get_running_loop()
         sps_guess = 512
         out_cap = self.out_cap_steps * sps_guess
-        shm_dir = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp"))
-        path = str(shm_dir / f"voicegw-audio-{os.getpid()}-{secrets.token_hex(6)}")
-        nbytes = s.slots * out_cap * 4
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self._out = np.frombuffer(self._mm, dtype=np.float32).reshape(s.slots, out_cap)
+        path = new_path("audio")
+        self._mm, flat = map_file(path, s.slots * out_cap * 4, create=True, dtype=np.float32)
+        self._out = flat.reshape(s.slots, out_cap)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         for sk in (ours, theirs):
             sk.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)

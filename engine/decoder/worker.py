@@ -17,7 +17,6 @@ completed. The process loop (``serve``) blocks on the socket only while no row i
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import socket
 import struct
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from engine.decoder.window import Row, WindowSpec
+from engine.shm import map_file
 
 #: request header: kind, flags, job id, slot, new steps in the payload, emit target (steps)
 REQ = struct.Struct("<BBxxIIII")
@@ -268,12 +268,8 @@ def serve(args: dict[str, Any], sock: socket.socket) -> None:
     dec = WindowDecoder(voc, spec, max_batch)
     dec.warm_up()
     slots, out_cap = int(args["slots"]), int(args["out_cap_steps"]) * geo.samples_per_step
-    fd = os.open(args["shm_path"], os.O_RDWR)
-    try:
-        mm = mmap.mmap(fd, slots * out_cap * 4, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    out = np.frombuffer(mm, dtype=np.float32).reshape(slots, out_cap)
+    mm, flat = map_file(args["shm_path"], slots * out_cap * 4, create=False, dtype=np.float32)
+    out = flat.reshape(slots, out_cap)
     limit = voc.front.vq_layer.quantizer.codebook_size if voc.uses_codes else None  # type: ignore[union-attr]
     dtype = np.int64 if voc.uses_codes else np.float32
     core = WorkerCore(spec, dec.run, out, dec.step_dim, dtype, max_batch, int(args["max_steps"]), limit)

@@ -36,14 +36,14 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
-import secrets
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from engine.shm import map_file, new_path
 
 #: Environment variable naming the table for the worker processes: ``path:slots:frames``.
 ENV_KEY = "VOICEGW_FRAME_TABLE"
@@ -97,32 +97,15 @@ def unpack(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return v >> GEN_SHIFT, codes
 
 
-def _map(path: str, nbytes: int, create: bool) -> tuple[mmap.mmap, np.ndarray]:
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
-    try:
-        if create:
-            os.ftruncate(fd, nbytes)
-        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    return mm, np.frombuffer(mm, dtype=np.int64)
-
-
-def _shm_dir() -> Path:
-    d = Path("/dev/shm")
-    return d if d.is_dir() and os.access(d, os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp"))
-
-
 class FrameTable:
     """The front end's side: the table, its slots and generations (one per code engine)."""
 
     def __init__(self, slots: int, frames: int) -> None:
         if slots < 1 or frames < 1:
             raise ValueError("frame table needs at least one slot and one frame")
-        path = str(_shm_dir() / f"voicegw-frames-{os.getpid()}-{secrets.token_hex(6)}")
+        path = new_path("frames")
         self.spec = TableSpec(path, slots, frames)
-        self._mm, flat = _map(path, self.spec.nbytes, create=True)
+        self._mm, flat = map_file(path, self.spec.nbytes, create=True)
         self.table = flat.reshape(self.spec.rows, frames)
         self._free: deque[int] = deque(range(slots))
         self._gen = 0
@@ -193,7 +176,7 @@ class FrameTable:
 
 def attach(spec: TableSpec) -> tuple[mmap.mmap, np.ndarray]:
     """The worker's side: map an existing table (``[rows, frames]`` int64 view)."""
-    mm, flat = _map(spec.path, spec.nbytes, create=False)
+    mm, flat = map_file(spec.path, spec.nbytes, create=False)
     return mm, flat.reshape(spec.rows, spec.frames)
 
 

@@ -1,0 +1,39 @@
+"""Shared-memory files: created by one process, mapped by the ones it starts (numpy only).
+
+Used by the vLLM frame table (``engine.vllm.channel``) and the decoder process's sample slots
+(``engine.decoder.client`` / ``engine.decoder.worker``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from pathlib import Path
+
+import numpy as np
+
+
+def shm_dir() -> Path:
+    """``/dev/shm`` where writable, else ``$TMPDIR`` (or /tmp)."""
+    d = Path("/dev/shm")
+    return d if d.is_dir() and os.access(d, os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
+def new_path(kind: str) -> str:
+    """A fresh file name under :func:`shm_dir` for this process."""
+    return str(shm_dir() / f"voicegw-{kind}-{os.getpid()}-{secrets.token_hex(6)}")
+
+
+def map_file(path: str, nbytes: int, create: bool, dtype: type = np.int64) -> tuple[mmap.mmap, np.ndarray]:
+    """Map ``path`` (``create``: a new file of ``nbytes``, exclusive) read-write; return the
+    mapping and a flat ``dtype`` view of it."""
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return mm, np.frombuffer(mm, dtype=dtype)
