@@ -19,8 +19,8 @@ health; when a code engine that was up reports itself dead (e.g. the vLLM engine
 died), it calls the code engine's ``restart()`` (a new engine core, warm-up included), retrying
 with a doubling backoff (``restart_backoff_s``, at most 60 s) while restarts fail. Meanwhile
 ``health()`` is unhealthy (``/healthz`` 503) and requests fail as "engine unavailable", as during
-the crash itself. Restarts of one process are serialized (two speech engines over one code engine
-restart it once).
+the crash itself. The code engine serializes its restarts (two speech engines over one code engine,
+or a watchdog beside an operator, restart it once).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import weakref
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -58,28 +57,6 @@ _log = logging.getLogger(__name__)
 _RESTART_POLL_S = 0.5
 """Watchdog: how often the code engine's health is read (a cheap attribute check)."""
 _RESTART_BACKOFF_MAX_S = 60.0
-_restart_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
-
-
-def _restart_lock() -> asyncio.Lock:
-    loop = asyncio.get_running_loop()
-    lock = _restart_locks.get(loop)
-    if lock is None:
-        lock = _restart_locks[loop] = asyncio.Lock()
-    return lock
-
-
-async def restart_code_engine(code: CodeEngine) -> bool:
-    """Restart ``code`` if it is unhealthy (serialized with every watchdog of this process: a code
-    engine is never restarted twice at once). True when it is healthy afterwards; a failed restart
-    raises."""
-    async with _restart_lock():
-        if code.health().healthy:
-            return True
-        await code.restart()  # type: ignore[attr-defined]
-        return bool(code.health().healthy)
-
-
 def chunk_policy(cfg: EngineConfig, exact_lookahead_steps: int) -> ChunkPolicy:
     """The policy from the config; ``decoder_lookahead_steps`` < 0 (or absent) means exact."""
     la = int(getattr(cfg, "decoder_lookahead_steps", -1))
@@ -174,26 +151,27 @@ class ChatTTSSpeech:
                 await asyncio.sleep(min(_RESTART_BACKOFF_MAX_S, self.restart_backoff_s * 2 ** (failures - 1)))
 
     async def _restart(self, detail: str) -> bool:
-        async with _restart_lock():
-            if self._code.health().healthy:
-                return True  # another watchdog of this process restarted it
-            self.restarting = True
-            t0 = time.monotonic()
-            _log.warning("code engine %s unhealthy (%s): restarting", self.name, detail)
-            try:
-                await self._code.restart()  # type: ignore[attr-defined]
-            except Exception:
-                _log.exception("code engine restart failed; retrying after a backoff")
-                return False
-            finally:
-                self.restarting = False
-            took = time.monotonic() - t0
-            if not self._code.health().healthy:
-                _log.error("code engine restarted in %.1f s but is not healthy: %s", took, self._code.health().detail)
-                return False
-            self.restarts_s.append(took)
-            _log.warning("code engine %s restarted in %.1f s", self.name, took)
+        if self._code.health().healthy:
             return True
+        self.restarting = True
+        t0 = time.monotonic()
+        _log.warning("code engine %s unhealthy (%s): restarting", self.name, detail)
+        try:
+            # serialized by the code engine: one restarting already (another watchdog, an
+            # operator) is waited for, not repeated
+            await self._code.restart()  # type: ignore[attr-defined]
+        except Exception:
+            _log.exception("code engine restart failed; retrying after a backoff")
+            return False
+        finally:
+            self.restarting = False
+        took = time.monotonic() - t0
+        if not self._code.health().healthy:
+            _log.error("code engine restarted in %.1f s but is not healthy: %s", took, self._code.health().detail)
+            return False
+        self.restarts_s.append(took)
+        _log.warning("code engine %s healthy again after %.1f s", self.name, took)
+        return True
 
     async def _stop_watchdog(self) -> None:
         task, self._watchdog = self._watchdog, None

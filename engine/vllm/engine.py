@@ -109,6 +109,7 @@ class VllmCodeEngine:
         self._live: dict[str, _Live] = {}
         self._stats: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._dead: str | None = None
+        self._restart_lock = asyncio.Lock()
         self._speakers: OrderedDict[str, ResolvedSpeaker | None] = OrderedDict()
         self.device = _detect_device(cfg)
         self.start_seconds: float | None = None
@@ -267,8 +268,14 @@ class VllmCodeEngine:
         return 4 * self.cfg.max_num_seqs + 64
 
     async def restart(self) -> None:
-        await self._shutdown()
-        await self.start()
+        """A new engine core (warm-up included) for a dead one. Callers are serialized: one that
+        waited while another restarted finds the engine healthy and returns (two restarts at once
+        would shut down the engine the other just built, minutes later, under live traffic)."""
+        async with self._restart_lock:
+            if self._llm is not None and self.health().healthy:
+                return
+            await self._shutdown()
+            await self.start()
 
     async def close(self) -> None:
         await self._shutdown()

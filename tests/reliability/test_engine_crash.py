@@ -61,10 +61,8 @@ async def vllm_parts(vllm_engine: Any, parity_model_dir: Path) -> AsyncIterator[
     finally:
         await speech.close()  # the watchdog (an ongoing restart finishes first) and the decoder
         if not vllm_engine.health().healthy:  # _Borrowed: closing the code engine is the owner's business
-            from engine.speech import restart_code_engine
-
             t0 = time.monotonic()
-            await restart_code_engine(vllm_engine)
+            await vllm_engine.restart()
             _report("vllm-restored-for-the-session", restart_s=round(time.monotonic() - t0, 1))
 
 
