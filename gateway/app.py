@@ -36,7 +36,7 @@ async def serve(
 ) -> None:
     """Serve until ``stop`` is set (or the task is cancelled), then shut down gracefully:
     stop accepting, let utterances finish up to ``gateway.shutdown_grace_s`` (or until
-    ``force_stop``), close 1001. The engine must be started; it is not closed here."""
+    ``force_stop``), close 1012. The engine must be started; it is not closed here."""
     server = GatewayServer(config, engine, static_dir=static_dir, metrics=metrics, settings=settings,
                            priority_fn=priority_fn)
     await server.start()

@@ -130,8 +130,6 @@ class CloseCode(enum.IntEnum):
 
     NORMAL = 1000
     """Client closed, or the session was idle (reason ``idle``)."""
-    GOING_AWAY = 1001
-    """Server shutting down."""
     PROTOCOL_ERROR = 1002
     """Invalid WebSocket framing (closed by the websockets library)."""
     INVALID_DATA = 1007
@@ -142,8 +140,10 @@ class CloseCode(enum.IntEnum):
     """Message over ``limits.max_message_bytes`` (closed before the payload is read)."""
     INTERNAL_ERROR = 1011
     """Speech engine unavailable or internal error."""
+    SERVICE_RESTART = 1012
+    """Server shutting down (a restart or deploy): reconnect with backoff and resume."""
     TRY_AGAIN_LATER = 1013
-    """Over ``limits.max_sessions``."""
+    """Over ``limits.max_sessions`` (a race past the door's 503): reconnect with backoff."""
 
 
 class CloseReason(enum.StrEnum):

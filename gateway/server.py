@@ -186,7 +186,7 @@ class GatewayServer:
         return "ws" + self.url[4:] + P.WS_PATH
 
     async def shutdown(self, grace_s: float | None = None, force: asyncio.Event | None = None) -> None:
-        """Stop accepting; let utterances finish up to ``grace_s``; then close 1001.
+        """Stop accepting; let utterances finish up to ``grace_s``; then close 1012.
         Idempotent: concurrent and later calls wait for the first one."""
         if self._shutdown_task is None:
             self._shutdown_task = asyncio.create_task(self._shutdown(grace_s, force))
@@ -358,7 +358,7 @@ class GatewayServer:
         _fixed_library_close_reasons(ws)
         ws = dialects.adapt(self, ws)  # a dialect connection speaks protocol v1 to _Connection
         if len(self.connections) >= self.config.limits.max_sessions or self.draining:
-            code = P.CloseCode.GOING_AWAY if self.draining else P.CloseCode.TRY_AGAIN_LATER
+            code = P.CloseCode.SERVICE_RESTART if self.draining else P.CloseCode.TRY_AGAIN_LATER
             reason = P.CloseReason.SHUTDOWN if self.draining else P.CloseReason.OVER_CAPACITY
             self.metrics.closes.labels(str(int(code))).inc()
             await ws.close(code, reason)

@@ -176,6 +176,10 @@ class _Segment:
     finished: bool = False
     """The engine delivered all of its audio."""
     announced: bool = False
+    start_char: int = 0
+    """Offset (code points) of the segment's first character in the utterance's text."""
+    end_char: int = 0
+    """Offset just past the segment in the utterance's text (a client resumes from here)."""
 
 
 @dataclass(eq=False)
@@ -428,7 +432,7 @@ class Session:
         return out
 
     def on_shutdown(self, now_s: float) -> list[Action]:
-        """Server draining: no new utterances; close 1001 once the current ones are sent."""
+        """Server draining: no new utterances; close 1012 once the current ones are sent."""
         out: list[Action] = []
         if self.closed:
             return out
@@ -440,7 +444,7 @@ class Session:
         out: list[Action] = []
         if not self.closed:
             self._drop_all(now_s, "shutdown")
-            self._close(out, P.CloseCode.GOING_AWAY, P.CloseReason.SHUTDOWN)
+            self._close(out, P.CloseCode.SERVICE_RESTART, P.CloseReason.SHUTDOWN)
         return out
 
     def on_internal_error(self, now_s: float) -> list[Action]:
@@ -693,7 +697,7 @@ class Session:
         self._finish_utterances(now_s, out)
         self._mark_ready(now_s)
         if self.draining and not self._utterances and not self.closed:
-            self._close(out, P.CloseCode.GOING_AWAY, P.CloseReason.SHUTDOWN)
+            self._close(out, P.CloseCode.SERVICE_RESTART, P.CloseReason.SHUTDOWN)
 
     def _segmenting_utterance(self) -> _Utterance | None:
         """The oldest utterance whose text is not all handed to the engine (text order)."""
@@ -716,16 +720,18 @@ class Session:
                 return
             if not is_speakable(seg.text):
                 continue
-            self._submit(now_s, utt, seg.text, out)
+            self._submit(now_s, utt, seg.text, out, (seg.start_char, seg.end_char))
 
-    def _submit(self, now_s: float, utt: _Utterance, text: str, out: list[Action]) -> None:
+    def _submit(self, now_s: float, utt: _Utterance, text: str, out: list[Action],
+                chars: tuple[int, int] = (0, 0)) -> None:
         index = len(utt.segments)
         first = index == 0
         in_hand = self._flow.ahead(now_s) + sum(s.held_samples for s in self._streams)
         runway = in_hand + sum(map(self._expected_rest, self._streams))
         priority = int(self._priority_fn(first, runway * 1000.0 / self.rate_hz))
         request_id = f"{self.id}-{utt.id}-{index}"
-        seg = _Segment(index=index, text=text, units=text_units(text), request_id=request_id)
+        seg = _Segment(index=index, text=text, units=text_units(text), request_id=request_id,
+                       start_char=chars[0], end_char=chars[1])
         utt.segments.append(seg)
         stream = _Stream(utt=utt, seg=seg, priority=priority)
         self._streams.append(stream)
@@ -812,6 +818,8 @@ class Session:
             "segment": s.seg.index,
             "text": s.seg.text,
             "sample_offset": s.utt.sent,
+            "start_char": s.seg.start_char,
+            "end_char": s.seg.end_char,
         }))
 
     def _retire(self, now_s: float, s: _Stream, out: list[Action]) -> None:

@@ -53,7 +53,7 @@ class GatewayConfig:
     open_timeout_s: float = 10.0
     """Drop connections that do not finish the opening handshake in this time."""
     shutdown_grace_s: float = 10.0
-    """On SIGTERM: stop accepting, let utterances finish up to this long, then close 1001."""
+    """On SIGTERM: stop accepting, let utterances finish up to this long, then close 1012."""
     log_level: str = "INFO"
     """Python logging level."""
     log_json: bool = False

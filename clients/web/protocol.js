@@ -57,12 +57,12 @@ export const PROTOCOL = Object.freeze(
   },
   "close_codes": {
     "NORMAL": 1000,
-    "GOING_AWAY": 1001,
     "PROTOCOL_ERROR": 1002,
     "INVALID_DATA": 1007,
     "POLICY_VIOLATION": 1008,
     "MESSAGE_TOO_BIG": 1009,
     "INTERNAL_ERROR": 1011,
+    "SERVICE_RESTART": 1012,
     "TRY_AGAIN_LATER": 1013
   },
   "audio_header": {

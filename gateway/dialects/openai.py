@@ -162,7 +162,7 @@ _ERRORS: Final[dict[str, tuple[int, str]]] = {
     P.ErrorCode.ENGINE_UNAVAILABLE.value: (503, "server_error"),
 }
 _CLOSES: Final[dict[int, tuple[int, str]]] = {
-    int(P.CloseCode.GOING_AWAY): (503, "shutting_down"),
+    int(P.CloseCode.SERVICE_RESTART): (503, "shutting_down"),
     int(P.CloseCode.TRY_AGAIN_LATER): (503, "over_capacity"),
     int(P.CloseCode.INTERNAL_ERROR): (500, "internal_error"),
 }

@@ -72,7 +72,7 @@ async def test_run_gateway_serves_and_stops_gracefully_on_sigterm():
         spoken = "".join(m["text"] for m in c.messages if m["type"] == "segment.started")
         assert spoken.replace(" ", "").endswith("finishes.")
         await asyncio.wait_for(c.ws.wait_closed(), 5)
-        assert c.ws.close_code == 1001
+        assert c.ws.close_code == 1012
         rc = await asyncio.wait_for(proc.wait(), 10)
         assert rc == 0
         assert proc.stderr is not None

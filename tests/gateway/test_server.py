@@ -452,7 +452,7 @@ async def test_graceful_shutdown(fake_engine: FakeSpeechEngine, make_gateway: Ga
         with pytest.raises(ConnectionClosed):
             while True:
                 await c.recv_one(within_s=3)
-        assert c.ws.close_code == 1001
+        assert c.ws.close_code == 1012
         await stopping
         with pytest.raises(OSError):
             await Client.open(server.ws_url)
@@ -469,5 +469,5 @@ async def test_shutdown_deadline_aborts(fake_engine: FakeSpeechEngine, make_gate
         with pytest.raises(ConnectionClosed):
             while True:
                 await c.recv_one(within_s=3)
-        assert c.ws.close_code == 1001
+        assert c.ws.close_code == 1012
         assert fake_engine.health().running_requests == 0

@@ -118,7 +118,8 @@ def test_start_and_stream_one_utterance():
     acts = h.audio(rid, 100, at=0.1)
     seg_started = messages(acts, "segment.started")
     assert seg_started == [{"type": "segment.started", "utterance_id": 1, "segment": 0,
-                            "text": "Hello world,", "sample_offset": 0}]
+                            "text": "Hello world,", "sample_offset": 0,
+                            "start_char": 0, "end_char": 12}]
     frames = audio(acts)
     assert [f.samples for f in frames] == [640, 640, 320]  # 40 ms frames
     assert frames[0].ttfa is not None and frames[0].ttfa.engine_s == pytest.approx(0.1)
@@ -314,13 +315,13 @@ def test_queue_full_and_draining():
     assert messages(h.msg({"type": "text.delta", "text": "Third."}))[0]["code"] == "queue_full"
     acts = h.feed(h.s.on_shutdown(h.now))
     assert not any(isinstance(a, Close) for a in acts)
-    # a new utterance is refused while draining; the queued ones finish, then 1001
+    # a new utterance is refused while draining; the queued ones finish, then 1012
     rids = [a.request.request_id for a in h.actions if isinstance(a, StartStream)]
     assert len(rids) == 2
     for rid in rids:
         acts = h.audio(rid, 10, finished=True)
     assert messages(acts, "utterance.done")
-    assert acts[-1] == Close(P.CloseCode.GOING_AWAY, P.CloseReason.SHUTDOWN)
+    assert acts[-1] == Close(P.CloseCode.SERVICE_RESTART, P.CloseReason.SHUTDOWN)
 
 
 def test_shutdown_deadline_and_disconnect_abort_everything():
@@ -335,7 +336,7 @@ def test_shutdown_deadline_and_disconnect_abort_everything():
     h2.start()
     (st,) = starts(h2.msg({"type": "text.delta", "text": "Hello world, more"}))
     acts = h2.feed(h2.s.on_shutdown_deadline(h2.now))
-    assert acts == [AbortStream(st.request.request_id, True), Close(P.CloseCode.GOING_AWAY, P.CloseReason.SHUTDOWN)]
+    assert acts == [AbortStream(st.request.request_id, True), Close(P.CloseCode.SERVICE_RESTART, P.CloseReason.SHUTDOWN)]
 
 
 def test_idle_timeout():
