@@ -5,9 +5,13 @@
 """
 
 from clients.python.client import (
+    NO_RETRY,
     AudioChunk,
     Client,
+    ClientEvent,
     PlaybackMode,
+    RetryPolicy,
+    SegmentPlay,
     Utterance,
     UtteranceFailed,
     UtteranceStats,
@@ -19,9 +23,13 @@ from clients.python.playout import Playout
 from clients.python.wav import WavWriter, read_wav, write_wav
 
 __all__ = [
+    "NO_RETRY",
     "AudioChunk",
     "Client",
+    "ClientEvent",
     "PlaybackMode",
+    "RetryPolicy",
+    "SegmentPlay",
     "Playout",
     "Utterance",
     "UtteranceFailed",

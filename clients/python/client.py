@@ -23,6 +23,22 @@ the playhead, which drives its flow control:
 Every buffer is bounded: the server never runs more than its flow window (2 s by default) ahead
 of the reported playhead; the per-utterance chunk queue keeps at most ``max_queued_chunk_s``
 seconds (oldest chunks dropped and counted when nobody iterates).
+
+Riding out a bad minute (``retry=RetryPolicy(...)``, on by default):
+
+* **Overload.** An utterance refused with ``engine_overloaded`` before any of its audio arrived is
+  sent again after the server's ``retry_after_ms`` (jittered, capped), up to
+  ``overload_attempts`` in all; ``stats.attempts`` says how many it took. An utterance that had
+  audio fails (heard audio is never replayed).
+* **Reconnect and resume.** When the connection drops (no close frame, 1011, 1012, 1013) the client
+  reconnects with exponential backoff and jitter for up to ``reconnect_timeout_s``, starts a new
+  session with the same settings and sends each unfinished utterance again from its first segment
+  not wholly received: the segments received whole play on from the local buffer meanwhile, the
+  rest of the interrupted one is dropped (if the listener was inside it, it restarts from its
+  first word). Text the application streams during the outage is kept (``max_buffered_chars``) and
+  sent after. Chunks of a resumed utterance keep its segment numbers and sample offsets.
+  ``events`` (and ``on_event``) report ``disconnected``, ``reconnecting``, ``reconnected``,
+  ``resumed``, ``retry`` and ``gave_up``; ``stats.plays`` says which audio of which segment played.
 """
 
 from __future__ import annotations
@@ -30,10 +46,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -52,6 +69,71 @@ TextSource = str | Iterable[str] | AsyncIterable[str]
 
 _TICK_S = 0.01
 _CANCEL_REPLY_TIMEOUT_S = 5.0
+_MAX_PIECE_CHARS = 4000
+"""Longest ``text.delta`` a resend uses (well under ``limits.max_message_bytes``)."""
+_EVENTS_KEPT = 256
+_RESUMABLE_CLOSES = frozenset({1006, 1011, 1012, 1013})
+"""Close codes after which a session is worth resuming (docs/protocol.md, close codes)."""
+_FINAL_HTTP = frozenset({400, 401, 403, 404, 405})
+"""Handshake refusals that no retry can fix."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a ``Client`` rides out overload and dropped connections (docs/clients.md)."""
+
+    overload_attempts: int = 3
+    """Attempts in all for an utterance refused with ``engine_overloaded`` before any of its
+    audio arrived (1: never retry)."""
+    overload_max_wait_ms: float = 5000.0
+    """Cap on one wait before an overload retry (the server's ``retry_after_ms``, jittered)."""
+    reconnect: bool = True
+    """Reconnect and resume after a dropped connection (1006, 1011, 1012, 1013)."""
+    reconnect_initial_ms: float = 250.0
+    """First backoff wait; it doubles per failed attempt."""
+    reconnect_max_ms: float = 5000.0
+    """Cap on one backoff wait (a server's ``Retry-After`` may ask for more: it wins)."""
+    reconnect_timeout_s: float = 60.0
+    """Give up (unfinished utterances fail with ``closed``) when not reconnected this long after
+    the drop."""
+    jitter: float = 0.2
+    """Each wait is multiplied by a random factor in [1 - jitter, 1 + jitter]."""
+    max_buffered_chars: int = 20_000
+    """Text kept per utterance while it cannot be sent (outage, overload wait); over it the
+    utterance fails with ``buffer_full``."""
+
+    def __post_init__(self) -> None:
+        if self.overload_attempts < 1:
+            raise ValueError("overload_attempts must be >= 1")
+        if not 0.0 <= self.jitter < 1.0:
+            raise ValueError("jitter must be in [0, 1)")
+        if min(self.overload_max_wait_ms, self.reconnect_initial_ms, self.reconnect_max_ms) < 0:
+            raise ValueError("waits must be >= 0")
+        if self.reconnect_timeout_s <= 0 or self.max_buffered_chars < 1:
+            raise ValueError("reconnect_timeout_s and max_buffered_chars must be positive")
+
+    def jittered_ms(self, ms: float, rnd: random.Random) -> float:
+        return max(0.0, ms * (1.0 + self.jitter * (2.0 * rnd.random() - 1.0)))
+
+    def backoff_ms(self, attempt: int, rnd: random.Random) -> float:
+        """Wait before reconnect attempt ``attempt`` (1-based)."""
+        base = min(self.reconnect_max_ms, self.reconnect_initial_ms * 2.0 ** max(0, attempt - 1))
+        return self.jittered_ms(base, rnd)
+
+
+NO_RETRY = RetryPolicy(overload_attempts=1, reconnect=False)
+"""A client that neither retries nor reconnects."""
+
+
+@dataclass(frozen=True)
+class ClientEvent:
+    """Something the connection went through (``Client.events``, ``on_event``)."""
+
+    type: str
+    """disconnected | reconnecting | reconnected | resumed | retry | gave_up"""
+    t_s: float
+    """``time.monotonic()`` when it happened."""
+    detail: dict[str, Any] = field(default_factory=dict)
 
 
 class VoicegwError(Exception):
@@ -128,6 +210,19 @@ class UtteranceStats:
     wall_ms: float | None = None
     """First text sent -> all audio received."""
     chunks_dropped: int = 0
+    attempts: int = 1
+    """Times the utterance was sent (overload retries add one each)."""
+    resumes: int = 0
+    """Times it was sent again after a reconnect."""
+    gap_ms: float = 0.0
+    """Silence the listener heard inside it because of reconnects."""
+    plays: list[SegmentPlay] = field(default_factory=list)
+    """Per segment and take (one per sending): samples received and played (realtime/speakers:
+    played out; instant: taken from ``speak()``; none: received)."""
+
+    def heard_whole(self) -> list[int]:
+        """Segment indexes in the order their audio was played through, each take once."""
+        return [p.segment for p in self.plays if p.complete and p.played >= p.samples]
 
     @property
     def duration_ms(self) -> float:
@@ -145,6 +240,33 @@ class UtteranceStats:
         )
 
 
+@dataclass
+class SegmentPlay:
+    """One take of one segment: its audio as one sending delivered it."""
+
+    segment: int
+    take: int
+    text: str = ""
+    samples: int = 0
+    """Samples received in this take."""
+    played: int = 0
+    complete: bool = False
+    """The server said the segment's audio is all sent (``segment.done``) in this take."""
+
+
+@dataclass
+class _Seg:
+    """A segment of an utterance in utterance coordinates (chars and samples from its start)."""
+
+    start_char: int
+    end_char: int
+    sample_offset: int
+    play: SegmentPlay
+    done: bool = False
+    pos: int | None = None
+    """Playout position of its first sample (realtime/speakers)."""
+
+
 _END = object()
 
 
@@ -155,8 +277,28 @@ class Utterance:
         self._client = client
         self.local_id = local_id
         self.id: int | None = None
+        """The server's id of the current sending."""
         self.stats = UtteranceStats(sample_rate_hz=client.sample_rate_hz)
-        self.chars = 0
+        self.text = ""
+        """All text the application gave it."""
+        self.base_char = 0
+        """Where in ``text`` the current sending starts (a resume starts past heard segments)."""
+        self.sent = 0
+        """Chars of ``text`` sent in the current sending (absolute)."""
+        self.end_requested = False
+        self.end_sent = False
+        self.parked = False
+        """Its text is kept, not sent (outage, overload wait) until it is sent again."""
+        self.sent_any = False
+        self.resume_note = False
+        self.retrying = False
+        """Refused for overload: the old sending's ``utterance.done`` is not the end."""
+        self.seg_base = 0
+        """Segment index / sample offset of the current sending's first segment."""
+        self.sample_base = 0
+        self.take = 0
+        self.segs: dict[int, _Seg] = {}
+        self.pump_lock = asyncio.Lock()
         self.cancelling = False
         self.t_first_text: float | None = None
         self.t_first_audio: float | None = None
@@ -173,6 +315,10 @@ class Utterance:
         self.failure: VoicegwError | None = None
         self.sender: asyncio.Task[None] | None = None
 
+    @property
+    def chars(self) -> int:
+        return len(self.text)
+
     # -- producer side (client internals)
 
     def _put(self, chunk: AudioChunk) -> None:
@@ -186,11 +332,11 @@ class Utterance:
                 self.stats.chunks_dropped += 1
         self._wake.set()
 
-    def _drop_queued(self) -> None:
-        kept = [x for x in self._queue if not isinstance(x, AudioChunk)]
+    def _drop_queued(self, from_segment: int = 0) -> None:
+        kept = [x for x in self._queue if not isinstance(x, AudioChunk) or x.segment < from_segment]
         self._queue.clear()
         self._queue.extend(kept)
-        self._queued_samples = 0
+        self._queued_samples = sum(x.samples for x in kept if isinstance(x, AudioChunk))
 
     def _finish(self, failure: VoicegwError | None = None) -> None:
         if self.done.is_set():
@@ -219,7 +365,7 @@ class Utterance:
         self._queue.popleft()
         assert isinstance(item, AudioChunk)
         self._queued_samples -= item.samples
-        self._client._on_consumed(item)
+        self._client._on_consumed(item, self)
         return item
 
     async def collect(self) -> bytes:
@@ -237,7 +383,8 @@ class Utterance:
 
 
 class Client:
-    """One gateway session. Use as ``async with Client(url) as c``."""
+    """One gateway session (re-established after a dropped connection). Use as
+    ``async with Client(url) as c``."""
 
     def __init__(
         self,
@@ -254,6 +401,8 @@ class Client:
         report_interval_ms: float = 250.0,
         max_queued_chunk_s: float = 60.0,
         open_timeout_s: float = 10.0,
+        retry: RetryPolicy | None = None,
+        on_event: Callable[[ClientEvent], None] | None = None,
     ) -> None:
         if sample_rate_hz not in P.SUPPORTED_SAMPLE_RATES_HZ:
             raise ValueError(f"sample_rate_hz must be one of {P.SUPPORTED_SAMPLE_RATES_HZ}")
@@ -268,6 +417,11 @@ class Client:
         self.report_interval_s = report_interval_ms / 1000.0
         self.max_queued_chunk_s = max_queued_chunk_s
         self.open_timeout_s = open_timeout_s
+        self.retry = retry if retry is not None else RetryPolicy()
+        self.on_event = on_event
+        self.events: deque[ClientEvent] = deque(maxlen=_EVENTS_KEPT)
+        """What the connection went through (most recent ``_EVENTS_KEPT``)."""
+        self.reconnects = 0
         self.playout = Playout(sample_rate_hz, prebuffer_ms=prebuffer_ms)
         self.session: dict[str, Any] | None = None
         self.ws: ClientConnection | None = None
@@ -282,6 +436,7 @@ class Client:
         """Audio frames discarded because they belonged to a cancelled utterance."""
         self.reports_sent = 0
         self.output_latency_ms = 0.0
+        self._rnd = random.Random()
         self._utterances: list[Utterance] = []
         self._by_id: dict[int, Utterance] = {}
         self._max_id = 0
@@ -293,12 +448,22 @@ class Client:
         self._session_waiter: asyncio.Future[dict[str, Any]] | None = None
         self._pong_waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._tasks: list[asyncio.Task[Any]] = []
-        self._lock = threading.Lock()  # playout + speaker FIFO (the sound card thread uses them)
+        self._lock = threading.Lock()  # playout + speaker FIFO + spans (the sound card thread uses them)
         self._fifo = bytearray()  # speakers mode: PCM waiting for the sound card
+        self._spans: deque[list[Any]] = deque()
+        """[SegmentPlay, samples] in playout order: which segment the buffered audio belongs to."""
         self._stream: Any = None
         self._last_report_s = 0.0
         self._last_instant_report = -1
         self._drain_pending = False
+        self._played_base = 0
+        """Played samples before this session's audio (reports count from the session start)."""
+        self._link_up = False
+        self._link_gen = 0
+        self._up_gen = -1
+        """The link on which the current session started."""
+        self._outage: dict[str, Any] | None = None
+        """The last outage: drop -> reconnected -> first resumed audio played."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -310,15 +475,36 @@ class Client:
         await self.close()
 
     async def connect(self) -> dict[str, Any]:
-        """Open the socket and start the session; returns ``session.started``."""
-        subprotocols = [P.SUBPROTOCOL]
+        """Open the socket and start the session; returns ``session.started``. A server that
+        refuses for capacity (503 / 1013) is tried again with backoff within
+        ``retry.reconnect_timeout_s``; other failures raise ``VoicegwError`` at once."""
+        deadline = time.monotonic() + self.retry.reconnect_timeout_s
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                self.session = await self._open_session()
+                break
+            except VoicegwError as exc:
+                if exc.detail.get("status") != 503 and exc.detail.get("code") != 1013:
+                    raise
+                wait_ms = self._wait_after(exc, attempt)
+                if not self.retry.reconnect or time.monotonic() + wait_ms / 1000.0 > deadline:
+                    raise
+                self._emit("reconnecting", attempt=attempt, wait_ms=round(wait_ms), error=str(exc))
+                await asyncio.sleep(wait_ms / 1000.0)
+        self._start_playback()
+        return self.session
+
+    async def _open_session(self) -> dict[str, Any]:
+        """One socket + ``session.start``; the reader runs on it. Raises ``VoicegwError``."""
         headers = {}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         try:
-            self.ws = await connect(
+            ws = await connect(
                 self.url,
-                subprotocols=subprotocols,  # type: ignore[arg-type]
+                subprotocols=[P.SUBPROTOCOL],  # type: ignore[list-item]
                 additional_headers=headers,
                 compression=None,
                 open_timeout=self.open_timeout_s,
@@ -328,12 +514,19 @@ class Client:
         except InvalidStatus as exc:
             status = exc.response.status_code
             body = exc.response.body.decode(errors="replace").strip() if exc.response.body else ""
-            raise VoicegwError("handshake_failed", f"HTTP {status} {body}".strip(), {"status": status}) from None
+            retry_after = exc.response.headers.get("Retry-After")
+            detail: dict[str, Any] = {"status": status}
+            with contextlib.suppress(TypeError, ValueError):
+                detail["retry_after_ms"] = float(retry_after) * 1000.0  # type: ignore[arg-type]
+            raise VoicegwError("handshake_failed", f"HTTP {status} {body}".strip(), detail) from None
         except (OSError, TimeoutError) as exc:
             raise VoicegwError("handshake_failed", f"cannot connect to {self.url}: {exc}") from None
-        loop = asyncio.get_running_loop()
-        self._session_waiter = loop.create_future()
-        self._tasks.append(asyncio.create_task(self._reader(), name="voicegw-client-reader"))
+        self.ws = ws
+        self._link_gen += 1
+        self._session_waiter = asyncio.get_running_loop().create_future()
+        reader = asyncio.create_task(self._reader(ws, self._link_gen), name="voicegw-client-reader")
+        self._tasks.append(reader)
+        reader.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
         start: dict[str, Any] = {
             "type": P.ClientType.SESSION_START.value,
             "sample_rate": self.sample_rate_hz,
@@ -345,17 +538,29 @@ class Client:
             start["language"] = self.language
         if self.options:
             start["options"] = self.options
-        await self._send(start)
-        async with asyncio.timeout(self.open_timeout_s):
-            self.session = await self._session_waiter
-        self._start_playback()
-        return self.session
+        try:
+            await self._send(start)
+            async with asyncio.timeout(self.open_timeout_s):
+                session = await self._session_waiter
+        except (VoicegwError, TimeoutError) as exc:
+            self._link_gen += 1  # its reader's end is not a session's end
+            if self.ws is ws:
+                self.ws = None
+            with contextlib.suppress(Exception):
+                await ws.close()
+            if isinstance(exc, VoicegwError):
+                raise
+            raise VoicegwError("timeout", "no session.started") from None
+        self._up_gen = self._link_gen
+        self._link_up = True
+        return session
 
     async def close(self) -> None:
         if self.closed and self.ws is None:
             return
         self.closed = True
-        for t in self._tasks:
+        self._link_up = False
+        for t in list(self._tasks):
             if t is not asyncio.current_task():
                 t.cancel()
         for u in list(self._utterances):
@@ -364,13 +569,43 @@ class Client:
         if self.ws is not None:
             with contextlib.suppress(Exception):
                 await self.ws.close()
-        for t in self._tasks:
-            with contextlib.suppress(BaseException):
-                await t
+        for t in list(self._tasks):
+            if t is not asyncio.current_task():
+                with contextlib.suppress(BaseException):
+                    await t
         self._tasks.clear()
         self._stop_speakers()
         self._fail_all(VoicegwError("closed", "client closed"))
         self.ws = None
+
+    @property
+    def connected(self) -> bool:
+        """A session is up (False while reconnecting)."""
+        return self._link_up and not self.closed
+
+    @property
+    def last_outage(self) -> dict[str, Any] | None:
+        """The last reconnect: ``outage_ms`` (drop -> new session), ``to_audio_ms`` (new session ->
+        first resumed audio played: the outage's cost past the server's own restart), ``gap_ms``
+        (the silence the listener heard: buffer dry -> resumed audio), ``attempts``."""
+        return self._outage
+
+    def _emit(self, type_: str, **detail: Any) -> None:
+        ev = ClientEvent(type_, time.monotonic(), detail)
+        self.events.append(ev)
+        log.info("voicegw client: %s %s", type_, detail)
+        if self.on_event is not None:
+            try:
+                self.on_event(ev)
+            except Exception:  # noqa: BLE001 - an application callback must not break the client
+                log.exception("on_event callback failed")
+
+    def _wait_after(self, exc: VoicegwError, attempt: int) -> float:
+        wait = self.retry.backoff_ms(attempt, self._rnd)
+        hinted = exc.detail.get("retry_after_ms")
+        if isinstance(hinted, (int, float)):
+            wait = max(wait, self.retry.jittered_ms(float(hinted), self._rnd))
+        return wait
 
     # ------------------------------------------------------------------ text in
 
@@ -396,8 +631,9 @@ class Client:
 
     async def flush(self) -> None:
         async with self._send_lock:
-            if self._open is not None:
-                await self._send({"type": P.ClientType.TEXT_FLUSH.value})
+            if self._open is not None and self._link_up and not self._open.parked:
+                with contextlib.suppress(VoicegwError):
+                    await self._send({"type": P.ClientType.TEXT_FLUSH.value})
 
     async def end(self) -> Utterance | None:
         """Low level: ``text.end`` for the utterance opened by ``send_text``."""
@@ -405,15 +641,13 @@ class Client:
             u, self._open = self._open, None
             if u is None:
                 return None
-            await self._send({"type": P.ClientType.TEXT_END.value})
-            if u.chars == 0:
-                self._settle_empty(u)
+            await self._end_text(u)
             return u
 
     async def cancel(self) -> dict[str, Any] | None:
         """Barge-in: silence now, drop audio in flight, stop every queued utterance.
-        Returns the server's ``cancelled`` message."""
-        if self.ws is None or self.closed:
+        Returns the server's ``cancelled`` message (while reconnecting: a local one)."""
+        if self.closed:
             return None
         for u in self._utterances:
             u.cancelling = True
@@ -421,22 +655,28 @@ class Client:
                 u.sender.cancel()
             u._drop_queued()  # audio not yet taken from speak() was cancelled too
         self._open = None
-        reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._cancel_replies.append(reply)
         played: int | None
         if self.playback_mode in ("realtime", "speakers"):
             with self._lock:
                 played = self.playout.cancel()
                 self._fifo.clear()
+                self._spans.clear()
         elif self.playback_mode == "instant":
             played = self.consumed_samples
         else:
             played = None
-        msg: dict[str, Any] = {"type": P.ClientType.CANCEL.value}
+        if not self._link_up:  # nothing on the server to stop: the outage ended the session
+            msg = {"type": P.ServerType.CANCELLED.value, "local": True,
+                   "cancelled_utterances": [u.local_id for u in self._utterances]}
+            self._on_cancelled(msg)
+            return msg
+        reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._cancel_replies.append(reply)
+        out: dict[str, Any] = {"type": P.ClientType.CANCEL.value}
         if played is not None:
-            msg["played_samples"] = played
-        await self._send(msg)
+            out["played_samples"] = max(0, played - self._played_base)
         try:
+            await self._send(out)
             async with asyncio.timeout(_CANCEL_REPLY_TIMEOUT_S):
                 return await reply
         except TimeoutError:
@@ -456,12 +696,16 @@ class Client:
     # ------------------------------------------------------------------ internals: sending
 
     def _check_open(self) -> None:
-        if self.ws is None or self.closed:
+        if self.closed or (self.ws is None and not self._reconnecting()):
             raise VoicegwError("closed", "not connected")
+
+    def _reconnecting(self) -> bool:
+        return not self._link_up and not self.closed and self.session is not None
 
     def _new_utterance(self) -> Utterance:
         self._local_seq += 1
         u = Utterance(self, f"u{self._local_seq}")
+        u.parked = not self._link_up
         self._utterances.append(u)
         return u
 
@@ -476,35 +720,72 @@ class Client:
     async def _send_delta(self, u: Utterance, text: str) -> None:
         if not text or u.cancelling:
             return
-        msg: dict[str, Any] = {"type": P.ClientType.TEXT_DELTA.value, "text": text}
-        if u.chars == 0:
-            msg["id"] = u.local_id
+        if u.chars + len(text) - u.sent > self.retry.max_buffered_chars:
+            raise VoicegwError("buffer_full", "text kept while it cannot be sent is over retry.max_buffered_chars")
         if u.t_first_text is None:
             u.t_first_text = time.perf_counter()
-        u.chars += len(text)
-        await self._send(msg)
+        u.text += text
+        await self._pump(u)
+
+    async def _end_text(self, u: Utterance) -> None:
+        u.end_requested = True
+        if u.chars == 0:
+            self._settle_empty(u)
+            return
+        await self._pump(u)
+
+    async def _pump(self, u: Utterance) -> None:
+        """Send what ``u`` holds that the current sending lacks (text, then ``text.end`` when
+        asked). Parked, or with the link down, it keeps it; a link lost meanwhile is the
+        reconnect's business (it sends the text again)."""
+        async with u.pump_lock:
+            try:
+                while not u.parked and self._link_up and not u.cancelling:
+                    if u.sent < u.chars:
+                        piece = u.text[u.sent:u.sent + _MAX_PIECE_CHARS]
+                        msg: dict[str, Any] = {"type": P.ClientType.TEXT_DELTA.value, "text": piece}
+                        if u.sent == u.base_char:
+                            msg["id"] = u.local_id
+                        u.sent += len(piece)
+                        u.sent_any = True
+                        await self._pace(len(piece))
+                        await self._send(msg)
+                    elif u.end_requested and not u.end_sent:
+                        u.end_sent = True
+                        await self._send({"type": P.ClientType.TEXT_END.value})
+                    else:
+                        return
+            except VoicegwError:
+                if not self._reconnecting():
+                    raise
+
+    async def _pace(self, chars: int) -> None:
+        """Resends come in big pieces: stay under the session's text rate (1 s burst)."""
+        if chars < 256 or self.session is None:
+            return
+        rate = float((self.session.get("limits") or {}).get("max_chars_per_s") or 0.0)
+        if rate > 0 and chars > 0.5 * rate:
+            await asyncio.sleep(chars / rate)
 
     async def _send_utterance(self, u: Utterance, source: TextSource) -> None:
         try:
             async with self._send_lock:  # one utterance's text at a time, in order
                 if self._open is not None:  # a send_text() utterance is open: it goes first
-                    await self._send({"type": P.ClientType.TEXT_END.value})
-                    if self._open.chars == 0:
-                        self._settle_empty(self._open)
-                    self._open = None
+                    opened, self._open = self._open, None
+                    await self._end_text(opened)
                 async for piece in _aiter_text(source):
                     if u.cancelling or self.closed:
                         return
                     await self._send_delta(u, piece)
                 if u.cancelling:
                     return
-                await self._send({"type": P.ClientType.TEXT_END.value})
-                if u.chars == 0:
-                    self._settle_empty(u)
+                await self._end_text(u)
         except asyncio.CancelledError:
             raise
         except VoicegwError as exc:
             u._finish(exc)
+            u.played.set()
+            self._forget(u)
         except Exception as exc:  # the token source failed: stop what was started
             log.warning("text source failed: %r; cancelling the utterance", exc)
             u._finish(VoicegwError("source_failed", repr(exc)))
@@ -524,7 +805,7 @@ class Client:
         u = self._by_id.get(uid)
         if u is None and uid > self._max_id:
             for cand in self._utterances:
-                if cand.id is None and cand.chars > 0 and not cand.done.is_set():
+                if cand.id is None and not cand.parked and cand.sent > cand.base_char and not cand.done.is_set():
                     cand.id = uid
                     cand.stats.utterance_id = uid
                     self._max_id = uid
@@ -532,10 +813,9 @@ class Client:
                     return cand
         return u
 
-    async def _reader(self) -> None:
-        assert self.ws is not None
+    async def _reader(self, ws: ClientConnection, gen: int) -> None:
         try:
-            async for m in self.ws:
+            async for m in ws:
                 if isinstance(m, bytes):
                     self._on_audio(m)
                 else:
@@ -547,22 +827,164 @@ class Client:
         except Exception:
             log.exception("client reader failed")
         finally:
-            self.close_code = self.ws.close_code if self.ws is not None else None
-            reason = self.ws.close_reason if self.ws is not None else ""
+            if gen == self._link_gen:
+                self._on_link_down(ws, gen)
+
+    def _on_link_down(self, ws: ClientConnection, gen: int) -> None:
+        code = ws.close_code
+        reason = ws.close_reason or ""
+        self.close_code = code
+        if self.ws is ws:
+            self.ws = None
+        err = VoicegwError("closed", f"connection closed {code} {reason}".strip(), {"code": code, "reason": reason})
+        if self._session_waiter is not None and not self._session_waiter.done():
+            self._session_waiter.set_exception(err)
+        if gen != self._up_gen:
+            return  # a session never started on it: the attempt that opened it reports the failure
+        self._link_up = False
+        for fut in self._pong_waiters.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._pong_waiters.clear()
+        resumable = (not self.closed and self.retry.reconnect and self.session is not None
+                     and (code is None or code in _RESUMABLE_CLOSES))
+        if not resumable:
             self.closed = True
-            err = VoicegwError("closed", f"connection closed {self.close_code} {reason or ''}".strip(),
-                               {"code": self.close_code, "reason": reason})
-            if self._session_waiter is not None and not self._session_waiter.done():
-                self._session_waiter.set_exception(err)
             while self._cancel_replies:
                 fut = self._cancel_replies.popleft()
                 if not fut.done():
                     fut.set_exception(err)
             self._fail_all(err, keep_received=True)
+            return
+        self._emit("disconnected", code=code, reason=reason)
+        self._outage = {"outage_ms": None, "attempts": 0, "to_audio_ms": None, "gap_ms": None,
+                        "t_drop": time.monotonic(), "t_up": None, "t_dry": None}
+        while self._cancel_replies:  # the session that would answer is gone: cancelled it is
+            fut = self._cancel_replies.popleft()
+            if not fut.done():
+                fut.set_result({"type": P.ServerType.CANCELLED.value, "local": True, "cancelled_utterances": []})
+        self._plan_resume()
+        task = asyncio.create_task(self._reconnect(time.monotonic()), name="voicegw-client-reconnect")
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    def _plan_resume(self) -> None:
+        """Park every unfinished utterance at its first segment not wholly received; drop the
+        audio after that point from the playout (what is left plays on meanwhile)."""
+        keep: int | None = None
+        for u in self._utterances:
+            if u.done.is_set() and not u.retrying:
+                continue
+            u.parked = True
+            u.retrying = False
+            k = u.seg_base
+            while k in u.segs and u.segs[k].done:
+                k += 1
+            seg = u.segs.get(k)
+            if seg is not None:
+                char, sample = seg.start_char, seg.sample_offset
+                if seg.pos is not None and keep is None:
+                    keep = seg.pos
+            elif k - 1 in u.segs:
+                char, sample = u.segs[k - 1].end_char, u.segs[k - 1].sample_offset + u.segs[k - 1].play.samples
+            else:
+                char, sample = u.base_char, u.sample_base
+            for j in [j for j in u.segs if j >= k]:
+                del u.segs[j]
+            u._drop_queued(from_segment=k)
+            if u.id is not None:
+                self._by_id.pop(u.id, None)
+            u.id = None
+            u.base_char = u.sent = char
+            u.end_sent = False
+            u.seg_base, u.sample_base = k, sample
+            u.stats.samples = sample
+            u.stats.error = None
+            u.take += 1
+            if u.sent_any:
+                u.stats.resumes += 1
+                u.resume_note = True
+        if keep is not None and self.playback_mode in ("realtime", "speakers"):
+            with self._lock:
+                dropped = self.playout.truncate(keep)
+                if self.playback_mode == "speakers":
+                    del self._fifo[2 * self.playout.buffered:]
+                while dropped > 0 and self._spans:
+                    span = self._spans[-1]
+                    cut = min(dropped, span[1])
+                    span[1] -= cut
+                    span[0].samples -= cut
+                    dropped -= cut
+                    if span[1] == 0:
+                        self._spans.pop()
+
+    async def _reconnect(self, t_drop: float) -> None:
+        deadline = t_drop + self.retry.reconnect_timeout_s
+        attempt = 0
+        last = ""
+        while not self.closed:
+            attempt += 1
+            wait_ms = self.retry.backoff_ms(attempt, self._rnd) if attempt > 1 else \
+                self.retry.jittered_ms(self.retry.reconnect_initial_ms, self._rnd)
+            if time.monotonic() + wait_ms / 1000.0 > deadline:
+                break
+            self._emit("reconnecting", attempt=attempt, wait_ms=round(wait_ms))
+            await asyncio.sleep(wait_ms / 1000.0)
+            try:
+                session = await self._open_session()
+            except VoicegwError as exc:
+                last = str(exc)
+                if exc.detail.get("status") in _FINAL_HTTP:
+                    break
+                hinted = exc.detail.get("retry_after_ms")
+                if isinstance(hinted, (int, float)):  # the server asked for at least this long
+                    await asyncio.sleep(max(0.0, min(hinted / 1000.0, deadline - time.monotonic())))
+                continue
+            self.session = session
+            self.reconnects += 1
+            t_up = time.monotonic()
+            o = self._outage if self._outage is not None else {"to_audio_ms": None, "gap_ms": None, "t_dry": None}
+            o.update(outage_ms=round((t_up - t_drop) * 1000.0), attempts=attempt, t_up=t_up)
+            self._outage = o
+            self._emit("reconnected", attempts=attempt, outage_ms=o["outage_ms"])
+            await self._replay()
+            return
+        if self.closed:
+            return
+        self.closed = True
+        self._emit("gave_up", attempts=attempt, error=last)
+        self._fail_all(VoicegwError("closed", f"could not reconnect within {self.retry.reconnect_timeout_s:g} s"
+                                    + (f" ({last})" if last else "")), keep_received=True)
+
+    async def _replay(self) -> None:
+        """A new session is up: its ids and played counter start afresh; send the parked
+        utterances again in order."""
+        self._by_id.clear()
+        self._max_id = 0
+        with self._lock:
+            if self.playback_mode in ("realtime", "speakers"):
+                self._played_base = self.playout.played + self.playout.buffered
+            elif self.playback_mode == "instant":
+                self._played_base = self.consumed_samples + sum(u._queued_samples for u in self._utterances)
+        self._last_instant_report = -1
+        gen = self._link_gen
+        for u in list(self._utterances):
+            if not u.parked or u.cancelling:
+                continue
+            if gen != self._link_gen or not self._link_up:
+                return  # dropped again: the next reconnect replays
+            u.parked = False
+            if u.resume_note:
+                u.resume_note = False
+                self._emit("resumed", utterance=u.local_id, from_segment=u.seg_base, from_char=u.base_char)
+            try:
+                await self._pump(u)
+            except VoicegwError as exc:
+                u._finish(exc)
 
     def _fail_all(self, err: VoicegwError, keep_received: bool = False) -> None:
         for u in list(self._utterances):
-            if not (keep_received and u.done.is_set()):
+            if not (keep_received and u.done.is_set() and not u.retrying):
                 u._finish(err)  # fully received utterances keep their audio and status
             u.played.set()
             self._forget(u)
@@ -580,30 +1002,58 @@ class Client:
             from gateway.audio import mulaw_decode
 
             payload = mulaw_decode(payload).astype("<i2").tobytes()
+        u = self._record(header.utterance_id)
+        segment = header.segment + (u.seg_base if u is not None else 0)
         chunk = AudioChunk(
             utterance_id=header.utterance_id,
-            segment=header.segment,
+            segment=segment,
             seq=header.seq,
-            sample_offset=header.sample_offset,
+            sample_offset=header.sample_offset + (u.sample_base if u is not None else 0),
             pcm=payload,
             sample_rate_hz=self.sample_rate_hz,
         )
         n = chunk.samples
         self.received_samples += n
-        u = self._record(header.utterance_id)
+        seg: _Seg | None = None
         if u is not None:
             if u.t_first_audio is None:
                 u.t_first_audio = time.perf_counter()
                 u.underruns_at_start = self.playout.underruns
                 if u.t_first_text is not None:
                     u.stats.ttfa_ms = (u.t_first_audio - u.t_first_text) * 1000.0
+            seg = u.segs.get(segment)
+            if seg is None:  # no segment.started seen (a server that skips it): still accounted
+                seg = self._new_seg(u, segment, "", 0, 0, chunk.sample_offset)
+            seg.play.samples += n
             u.stats.samples += n
             u._put(chunk)
+            o = self._outage
+            if (o is not None and o["to_audio_ms"] is None and o["t_up"] is not None
+                    and self.playback_mode not in ("realtime", "speakers")):
+                o["to_audio_ms"] = round((time.monotonic() - o["t_up"]) * 1000.0)
+                o["gap_ms"] = 0
         if self.playback_mode in ("realtime", "speakers"):
             with self._lock:
+                if seg is not None:
+                    if seg.pos is None:
+                        seg.pos = self.playout.written
+                    if self._spans and self._spans[-1][0] is seg.play:
+                        self._spans[-1][1] += n
+                    else:
+                        self._spans.append([seg.play, n])
                 self.playout.push(n)
                 if self.playback_mode == "speakers":
                     self._fifo += payload
+        elif self.playback_mode == "none" and seg is not None:
+            seg.play.played += n
+
+    def _new_seg(self, u: Utterance, index: int, text: str, start_char: int, end_char: int,
+                 sample_offset: int) -> _Seg:
+        play = SegmentPlay(segment=index, take=u.take, text=text)
+        u.stats.plays.append(play)
+        seg = _Seg(start_char, end_char, sample_offset, play)
+        u.segs[index] = seg
+        return seg
 
     async def _on_message(self, msg: dict[str, Any]) -> None:
         t = msg.get("type")
@@ -613,11 +1063,30 @@ class Client:
         elif t == P.ServerType.SEGMENT_STARTED:
             u = self._record(int(msg["utterance_id"]))
             if u is not None and not self._cancel_replies:
-                u.stats.segments.append(str(msg.get("text", "")))
+                text = str(msg.get("text", ""))
+                index = u.seg_base + int(msg.get("segment", 0))
+                del u.stats.segments[index:]  # a resumed sending tells its segments again
+                u.stats.segments.append(text)
+                seg = u.segs.get(index)
+                start = u.base_char + int(msg.get("start_char", 0))
+                end = u.base_char + int(msg.get("end_char", 0))
+                offset = u.sample_base + int(msg.get("sample_offset", 0))
+                if seg is None:
+                    self._new_seg(u, index, text, start, end, offset)
+                else:
+                    seg.start_char, seg.end_char, seg.play.text = start, end, text
+        elif t == P.ServerType.SEGMENT_DONE:
+            u = self._record(int(msg["utterance_id"]))
+            if u is not None:
+                seg = u.segs.get(u.seg_base + int(msg.get("segment", 0)))
+                if seg is not None:
+                    seg.done = seg.play.complete = True
         elif t == P.ServerType.UTTERANCE_DONE:
             u = self._record(int(msg["utterance_id"]))
-            if u is not None and not u.done.is_set():
-                u.stats.server_samples = int(msg.get("samples", 0))
+            if u is not None and u.retrying:
+                self._by_id.pop(int(msg["utterance_id"]), None)  # the refused sending ended
+            elif u is not None and not u.done.is_set():
+                u.stats.server_samples = u.sample_base + int(msg.get("samples", 0))
                 if u.t_first_text is not None:
                     u.stats.wall_ms = (time.perf_counter() - u.t_first_text) * 1000.0
                 failure = None
@@ -630,18 +1099,7 @@ class Client:
                 u._finish(failure)
                 self._check_played()
         elif t == P.ServerType.CANCELLED:
-            ids = set(msg.get("cancelled_utterances") or [])
-            if msg.get("utterance_id") is not None:
-                ids.add(msg["utterance_id"])
-            for u in list(self._utterances):
-                if u.cancelling or (u.id is not None and u.id in ids):
-                    u.stats.cancelled = True
-                    u.stats.status = "cancelled"
-                    if u.id is not None and u.id == msg.get("utterance_id"):
-                        u.stats.heard_text = msg.get("heard_text")
-                    u._finish()
-                    u.played.set()
-                    self._forget(u)
+            self._on_cancelled(msg)
             if self._cancel_replies:
                 waiter = self._cancel_replies.popleft()
                 if not waiter.done():
@@ -654,11 +1112,14 @@ class Client:
                 u = self._record(int(msg["utterance_id"]))
                 if u is not None:
                     u.stats.error = code
+                    if code == P.ErrorCode.ENGINE_OVERLOADED:
+                        self._maybe_retry(u, msg)
             elif msg.get("id") is not None:
                 u2 = next((x for x in self._utterances if x.local_id == msg["id"] and x.id is None), None)
                 if u2 is not None and u2.stats.samples == 0:
                     # the opening delta was refused: this utterance never opened on the server
-                    u2.chars = 0
+                    u2.text = ""
+                    u2.sent = u2.base_char = 0
                     u2.cancelling = True  # its sender stops
                     if self._open is u2:
                         self._open = None
@@ -673,6 +1134,57 @@ class Client:
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 
+    def _on_cancelled(self, msg: dict[str, Any]) -> None:
+        ids = set(msg.get("cancelled_utterances") or [])
+        if msg.get("utterance_id") is not None:
+            ids.add(msg["utterance_id"])
+        for u in list(self._utterances):
+            if u.cancelling or (u.id is not None and u.id in ids):
+                u.stats.cancelled = True
+                u.stats.status = "cancelled"
+                if u.id is not None and u.id == msg.get("utterance_id"):
+                    u.stats.heard_text = msg.get("heard_text")
+                u._finish()
+                u.played.set()
+                self._forget(u)
+
+    # ------------------------------------------------------------------ internals: overload retry
+
+    def _maybe_retry(self, u: Utterance, msg: dict[str, Any]) -> None:
+        """``engine_overloaded`` before any audio: park the text, end the refused sending (the
+        server absorbs its text until ``text.end``) and send it again after the hinted wait."""
+        if u.stats.samples > 0 or u.stats.attempts >= self.retry.overload_attempts or u.cancelling or self.closed:
+            return
+        hinted = msg.get("retry_after_ms")
+        base = float(hinted) if isinstance(hinted, (int, float)) else self.retry.reconnect_initial_ms
+        wait_ms = min(self.retry.overload_max_wait_ms, self.retry.jittered_ms(base, self._rnd))
+        u.parked = True
+        u.retrying = True
+        self._emit("retry", utterance=u.local_id, attempt=u.stats.attempts + 1, wait_ms=round(wait_ms))
+        task = asyncio.create_task(self._retry_later(u, wait_ms), name=f"voicegw-retry {u.local_id}")
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    async def _retry_later(self, u: Utterance, wait_ms: float) -> None:
+        async with u.pump_lock:  # after any delta in flight: the refused sending absorbs it
+            if not u.end_sent and self._link_up:
+                u.end_sent = True
+                with contextlib.suppress(VoicegwError):
+                    await self._send({"type": P.ClientType.TEXT_END.value})  # ends the refused sending
+        await asyncio.sleep(wait_ms / 1000.0)
+        if u.cancelling or self.closed or not u.retrying or not self._link_up:
+            return  # cancelled, or a reconnect took it over
+        u.stats.attempts += 1
+        u.stats.error = None
+        u.retrying = False
+        u.id = None
+        u.base_char = u.sent = 0
+        u.end_sent = False
+        u.take += 1
+        u.parked = False
+        with contextlib.suppress(VoicegwError):
+            await self._pump(u)
+
     def _forget(self, u: Utterance) -> None:
         with contextlib.suppress(ValueError):
             self._utterances.remove(u)
@@ -681,21 +1193,37 @@ class Client:
 
     # ------------------------------------------------------------------ internals: playback
 
-    def _on_consumed(self, chunk: AudioChunk) -> None:
+    def _credit(self, k: int) -> None:
+        """``k`` samples were played: credit them to their segments (caller holds ``_lock``)."""
+        while k > 0 and self._spans:
+            span = self._spans[0]
+            take = min(k, span[1])
+            span[0].played += take
+            span[1] -= take
+            k -= take
+            if span[1] == 0:
+                self._spans.popleft()
+
+    def _on_consumed(self, chunk: AudioChunk, u: Utterance) -> None:
         self.consumed_samples += chunk.samples
-        if self.playback_mode == "instant" and not self.closed:
-            task = asyncio.create_task(self._instant_report())
-            self._tasks.append(task)
-            task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+        if self.playback_mode == "instant":
+            seg = u.segs.get(chunk.segment)
+            if seg is not None:
+                seg.play.played += chunk.samples
+            if self._link_up:
+                task = asyncio.create_task(self._instant_report())
+                self._tasks.append(task)
+                task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
     async def _instant_report(self) -> None:
         # coalesce: one report per event-loop turn at most
         await asyncio.sleep(0)
-        if self.consumed_samples == self._last_instant_report or self.closed:
+        played = max(0, self.consumed_samples - self._played_base)
+        if played == self._last_instant_report or not self._link_up:
             return
-        self._last_instant_report = self.consumed_samples
+        self._last_instant_report = played
         with contextlib.suppress(VoicegwError):
-            await self._send_report(self.consumed_samples, 0.0, 0, drained=False)
+            await self._send_report(played, 0.0, 0, drained=False)
 
     def _start_playback(self) -> None:
         if self.playback_mode == "speakers" and not self._start_speakers():
@@ -714,6 +1242,7 @@ class Client:
         def callback(outdata: Any, frames: int, time_info: Any, status: Any) -> None:
             with self._lock:
                 k, drained = self.playout.pull(frames)
+                self._credit(k)
                 data = bytes(self._fifo[: 2 * k])
                 del self._fifo[: 2 * k]
             outdata[: len(data)] = data
@@ -760,7 +1289,8 @@ class Client:
                 n = int(carry)
                 carry -= n
                 with self._lock:
-                    _, drained = self.playout.pull(n)
+                    k, drained = self.playout.pull(n)
+                    self._credit(k)
             t_last = now
             if self._drain_pending:
                 drained, self._drain_pending = True, False
@@ -768,16 +1298,39 @@ class Client:
                 state = self.playout.state
                 rep = self.playout.report(drained)
                 played_now = self.playout.played
+                buffered = self.playout.buffered
             if played_now > played_before:
                 self._note_play_start()
+            self._note_outage(buffered, played_now)
             played_before = played_now
+            if not self._link_up:
+                continue
             if drained or (state != "idle" and now - self._last_report_s >= self.report_interval_s):
                 self._last_report_s = now
                 try:
-                    await self._send_report(rep.played_samples, rep.buffered_ms, rep.underruns, drained)
+                    await self._send_report(max(0, rep.played_samples - self._played_base), rep.buffered_ms,
+                                            rep.underruns, drained)
                 except VoicegwError:
-                    return
+                    continue
             self._check_played()
+
+    def _note_outage(self, buffered: int, played: int) -> None:
+        """Times of the last outage: when the listener ran out of audio, when the resumed audio
+        started playing (``last_outage``)."""
+        o = self._outage
+        if o is None or o["to_audio_ms"] is not None:
+            return
+        now = time.monotonic()
+        if buffered == 0 and o["t_dry"] is None:
+            o["t_dry"] = now
+        if o["t_up"] is not None and played > self._played_base:
+            o["to_audio_ms"] = round((now - o["t_up"]) * 1000.0)
+            o["gap_ms"] = round((now - o["t_dry"]) * 1000.0) if o["t_dry"] is not None else 0
+            self._emit("audio_resumed", to_audio_ms=o["to_audio_ms"], gap_ms=o["gap_ms"])
+            for u in self._utterances:
+                if u.stats.resumes:
+                    u.stats.gap_ms += o["gap_ms"]
+                    break
 
     def _note_play_start(self) -> None:
         for u in self._utterances:
@@ -802,7 +1355,7 @@ class Client:
             consumed = self.playout.read
             underruns = self.playout.underruns
         for u in list(self._utterances):
-            if not u.done.is_set():
+            if not u.done.is_set() or u.retrying:
                 continue
             if self.playback_mode not in ("realtime", "speakers") or (
                 u.end_pos is not None and consumed >= u.end_pos

@@ -9,6 +9,8 @@ A ``Playout`` models a jitter buffer that an audio device drains at the stream r
   the buffer runs dry mid-utterance that is an *underrun*: counted, the target rises by
   ``step_ms`` (capped at ``max_target_ms``) and playback waits for the new target.
 * ``cancel()``: the buffer is dropped at once.
+* ``truncate(keep)``: samples buffered past position ``keep`` are dropped and what is left ends
+  (a connection lost mid-segment: the client resumes from that segment; see ``Client``).
 
 ``played`` counts real samples handed to the device (never silence, never cancelled audio): it
 is what ``playback.played_samples`` reports.
@@ -78,6 +80,19 @@ class Playout:
         self.end_mark = self.written
         self.state = "idle"
         return self.played
+
+    def truncate(self, keep: int) -> int:
+        """Drop buffered samples past stream position ``keep`` (clamped to what is buffered); the
+        audio left ends there (a clean drain, not an underrun). Returns the samples dropped."""
+        keep = max(self.read, min(self.written, keep))
+        dropped = self.written - keep
+        self.written = keep
+        self.end_mark = keep
+        if self.buffered == 0:
+            self.state = "idle"
+        elif self.state == "idle":
+            self.state = "prebuffering"
+        return dropped
 
     def pull(self, n: int) -> tuple[int, bool]:
         """The device consumes ``n`` samples of time. Returns (real samples played, drained now)."""

@@ -133,7 +133,9 @@ class GatewayProcess:
             cmd += ["--set", f"{k}={v}"]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
         self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log)
+        # its own process group: kill() takes the engine-core and decoder processes with it
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log,
+                                     start_new_session=True)
         assert self.proc.stdout is not None
         deadline = time.monotonic() + self.start_timeout_s
         line = b""
@@ -143,7 +145,9 @@ class GatewayProcess:
             if chunk:
                 line += chunk
                 if line.endswith(b"\n"):
-                    break
+                    if line.startswith(b'{"port"'):
+                        break
+                    line = b""  # a library printing on stdout (vLLM does)
             elif self.proc.poll() is not None:
                 raise RuntimeError(f"gateway process exited with {self.proc.returncode}")
             else:
@@ -177,6 +181,15 @@ class GatewayProcess:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the gateway and every process it started (a crashed host, from outside)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        self.stop()
 
     def stop(self, timeout_s: float = 20.0) -> int | None:
         if self.proc is None:
