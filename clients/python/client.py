@@ -943,7 +943,8 @@ class Client:
             self.session = session
             self.reconnects += 1
             t_up = time.monotonic()
-            o = self._outage if self._outage is not None else {"to_audio_ms": None, "gap_ms": None, "t_dry": None}
+            o: dict[str, Any] = self._outage if self._outage is not None else {
+                "to_audio_ms": None, "gap_ms": None, "t_dry": None}
             o.update(outage_ms=round((t_up - t_drop) * 1000.0), attempts=attempt, t_up=t_up)
             self._outage = o
             self._emit("reconnected", attempts=attempt, outage_ms=o["outage_ms"])
