@@ -304,3 +304,30 @@ async def test_overlapping_cancels_and_instant_mode(gateway: GatewayServer, engi
         nxt = c.speak("Next.")
         assert len(await nxt.collect()) > 0 and nxt.stats.status == "ok"
         assert await _engine_idle(engine)
+
+
+def test_playout_truncate() -> None:
+    p = Playout(1000, prebuffer_ms=0)
+    p.push(500)
+    assert p.pull(100) == (100, False)
+    assert p.truncate(300) == 200 and p.buffered == 200  # dropped past stream position 300
+    assert p.pull(300) == (200, True)  # what is left ends cleanly: a drain, not an underrun
+    assert p.underruns == 0 and p.state == "idle"
+    p.push(50)
+    assert p.truncate(0) == 50 and p.buffered == 0 and p.state == "idle"  # never below the playhead
+
+
+def test_retry_policy() -> None:
+    import random
+
+    from clients.python import RetryPolicy
+
+    rnd = random.Random(1)
+    pol = RetryPolicy(reconnect_initial_ms=100, reconnect_max_ms=1000, jitter=0.2)
+    waits = [pol.backoff_ms(a, rnd) for a in range(1, 8)]
+    for a, w in enumerate(waits, start=1):
+        base = min(1000, 100 * 2 ** (a - 1))
+        assert 0.8 * base <= w <= 1.2 * base
+    for bad in ({"overload_attempts": 0}, {"jitter": 1.0}, {"reconnect_timeout_s": 0}, {"reconnect_max_ms": -1}):
+        with pytest.raises(ValueError):
+            RetryPolicy(**bad)  # type: ignore[arg-type]

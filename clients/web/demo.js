@@ -99,7 +99,8 @@ function wire(gw) {
     demo.events.push({ type, t: performance.now(), detail: e.detail });
     if (demo.events.length > MAX_EVENTS) demo.events.splice(0, demo.events.length - MAX_EVENTS);
   };
-  for (const type of ["ttfa", "playing", "segment", "report", "utterancedone", "drained", "cancelled", "error", "close", "underrun"]) {
+  for (const type of ["ttfa", "playing", "segment", "report", "utterancedone", "drained", "cancelled", "error", "close", "underrun",
+    "retry", "disconnected", "reconnecting", "reconnected", "resumed", "audioresumed", "gaveup"]) {
     gw.addEventListener(type, record(type));
   }
   gw.addEventListener("ttfa", (e) => {
@@ -116,7 +117,7 @@ function wire(gw) {
   // received stream it is, cancelled audio included), not when the server starts sending it.
   const captions = [];
   gw.addEventListener("segment", (e) => {
-    captions.push({ at: gw.stats.receivedSamples, text: e.detail.text });
+    captions.push({ at: gw.streamPosition, text: e.detail.text });
     if (captions.length > 64) captions.shift();
   });
   gw.addEventListener("report", (e) => {
@@ -149,6 +150,30 @@ function wire(gw) {
     log(`cancelled: played ${e.detail.played_ms} of ${e.detail.sent_ms} ms sent`);
   });
   gw.addEventListener("error", (e) => log(`error ${e.detail.code}: ${e.detail.message}`));
+  // riding out a bad minute: the pill and the log say what the connection goes through
+  const pill = (text, cls) => {
+    $("conn").textContent = text;
+    $("conn").className = `pill ${cls}`;
+  };
+  gw.addEventListener("retry", (e) => log(`engine busy: trying again in ${e.detail.waitMs} ms (attempt ${e.detail.attempt})`));
+  gw.addEventListener("disconnected", (e) => {
+    pill("reconnecting…", "warn");
+    log(`connection lost (${e.detail.code}): reconnecting`);
+  });
+  gw.addEventListener("reconnecting", (e) => {
+    pill(`reconnecting… (attempt ${e.detail.attempt})`, "warn");
+  });
+  gw.addEventListener("reconnected", (e) => {
+    while (captions.length && captions[captions.length - 1].at >= gw.streamPosition) captions.pop();
+    pill("connected", "on");
+    log(`reconnected after ${e.detail.outageMs} ms (${e.detail.attempts} attempts)`);
+  });
+  gw.addEventListener("resumed", (e) => log(`resuming ${e.detail.localId} from segment ${e.detail.fromSegment}`));
+  gw.addEventListener("audioresumed", (e) => {
+    demo.lastOutage = e.detail;
+    log(`audio resumed ${e.detail.toAudioMs} ms after reconnecting; gap heard ${e.detail.gapMs} ms`);
+  });
+  gw.addEventListener("gaveup", () => pill("disconnected", "off"));
   gw.addEventListener("close", (e) => {
     $("conn").textContent = `closed ${e.detail.code}`;
     $("conn").className = "pill off";

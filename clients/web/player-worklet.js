@@ -6,6 +6,8 @@
 //                         point with nothing after it, go idle (not an underrun) and report "drained"
 //   {type: "cancel", id}  empty the ring at once (silence from the next render quantum); replies
 //                         {type: "cancelled", id, ...report}
+//   {type: "truncate", keep, id}  drop what is buffered past stream position `keep` (never what
+//                         has played); what is left ends there; replies {type: "truncated", id, ...report}
 //   {type: "config", prebufferMs?, maxTargetMs?, stepMs?}
 // Worklet -> main thread:
 //   {type: "report", playedSamples, bufferedMs, underruns, targetMs, state, drained, ...}
@@ -89,6 +91,17 @@ class VoicegwPlayer extends AudioWorkletProcessor {
         this.state = "idle";
         this.port.postMessage({ ...this.report(false), type: "cancelled", id: msg.id });
         break;
+      case "truncate": {
+        const keep = Math.max(this.read, Math.min(this.written, msg.keep));
+        this.written = keep;
+        this.endMark = keep;
+        if (this.written <= this.read) {
+          this.frac = 0;
+          this.state = "idle";
+        }
+        this.port.postMessage({ ...this.report(false), type: "truncated", id: msg.id });
+        break;
+      }
       case "config":
         if (msg.prebufferMs != null) this.prebufferMs = this.targetMs = msg.prebufferMs;
         if (msg.maxTargetMs != null) this.maxTargetMs = msg.maxTargetMs;

@@ -8,7 +8,17 @@
 //   gw.cancel();                                   // barge-in: silence at once, server aborts
 //
 // Events (CustomEvent, payload in `detail`): session, segment, segmentdone, ttfa, playing, report,
-// underrun, utterancedone, drained, cancelled, error, close.
+// underrun, utterancedone, drained, cancelled, error, close; and, riding out a bad minute
+// (opts.retry): retry, disconnected, reconnecting, reconnected, resumed, audioresumed, gaveup.
+//
+// Overload: an utterance refused with engine_overloaded before any of its audio arrived is sent
+// again after the server's retry_after_ms (jittered, capped), up to retry.overloadAttempts in all.
+// Dropped connection (1006, 1011, 1012, 1013): reconnect with exponential backoff and jitter for
+// up to retry.reconnectTimeoutMs, a new session with the same settings, and every unfinished
+// utterance is sent again from its first segment not wholly received (the segments received play
+// on from the buffer meanwhile; the rest of the interrupted one is dropped). Text given meanwhile
+// is kept (retry.maxBufferedChars) and sent after. A browser cannot see why a handshake failed
+// (401 and 503 look alike), so every failed attempt is retried until the deadline.
 
 import { PROTOCOL } from "./protocol.js";
 
@@ -21,6 +31,23 @@ const C = Object.fromEntries(Object.entries(PROTOCOL.close_codes));
 const HEADER_BYTES = PROTOCOL.audio_header.bytes;
 const TOKEN_CHARS = /^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$/;
 const CANCEL_ACK_TIMEOUT_MS = 50;
+const MAX_PIECE_CHARS = 4000;
+const RESUMABLE_CLOSES = new Set([1006, 1011, 1012, 1013]);
+
+/** Defaults of opts.retry (docs/clients.md). */
+export const DEFAULT_RETRY = Object.freeze({
+  overloadAttempts: 3, // attempts in all for an utterance refused before any of its audio
+  overloadMaxWaitMs: 5000, // cap on one overload wait (the server's retry_after_ms, jittered)
+  reconnect: true, // reconnect and resume after a dropped connection
+  reconnectInitialMs: 250, // first backoff wait, doubling per failed attempt
+  reconnectMaxMs: 5000, // cap on one backoff wait
+  reconnectTimeoutMs: 60000, // give up this long after the drop
+  jitter: 0.2, // each wait times a random factor in [1 - jitter, 1 + jitter]
+  maxBufferedChars: 20000, // text kept per utterance while it cannot be sent
+});
+
+const jittered = (ms, jitter) => Math.max(0, ms * (1 + jitter * (2 * Math.random() - 1)));
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 export class VoicegwError extends Error {
   constructor(code, message, detail = {}) {
@@ -76,6 +103,7 @@ export class VoiceGateway extends EventTarget {
    * @param {number} [opts.prebufferMs=80] playback starts once this much is buffered
    * @param {number} [opts.maxTargetMs=300] cap of the adaptive prebuffer target
    * @param {string|URL} [opts.workletUrl] URL of player-worklet.js (default: next to this module)
+   * @param {object} [opts.retry] overload retry and reconnect policy (fields of DEFAULT_RETRY)
    */
   constructor(url, opts = {}) {
     super();
@@ -89,6 +117,13 @@ export class VoiceGateway extends EventTarget {
       reportIntervalMs: 250,
       ...opts,
     };
+    this.retry = { ...DEFAULT_RETRY, ...(opts.retry || {}) };
+    this.reconnects = 0;
+    this.lastOutage = null; // {outageMs, toAudioMs, gapMs, attempts} of the last reconnect
+    this._linkUp = false;
+    this._pos = 0; // stream position of the next sample posted to the worklet
+    this._playedBase = 0; // played samples before this session's audio
+    this._outage = null;
     this.ws = null;
     this.session = null;
     this.ctx = null;
@@ -123,6 +158,12 @@ export class VoiceGateway extends EventTarget {
 
   /** Open the socket, start the session and the audio graph. Resolves with session.started. */
   async connect() {
+    const audioReady = this.opts.audio ? this._setupAudio() : Promise.resolve();
+    const [session] = await Promise.all([this._openSession(), audioReady]);
+    return session;
+  }
+
+  async _openSession() {
     const protocols = [PROTOCOL.subprotocol];
     let url = this.url;
     const tok = this.opts.token;
@@ -134,7 +175,6 @@ export class VoiceGateway extends EventTarget {
         url = u.toString();
       }
     }
-    const audioReady = this.opts.audio ? this._setupAudio() : Promise.resolve();
     const ws = new WebSocket(url, protocols);
     ws.binaryType = "arraybuffer";
     this.ws = ws;
@@ -143,16 +183,26 @@ export class VoiceGateway extends EventTarget {
       ws.onerror = () => reject(new VoicegwError("connect_failed", `cannot connect to ${this.url}`));
       ws.onclose = (e) => reject(new VoicegwError("connect_failed", `closed ${e.code} ${e.reason}`));
     });
+    const started = new Promise((resolve, reject) => (this._sessionWaiter = { resolve, reject }));
     ws.onmessage = (e) => this._onMessage(e.data);
     ws.onerror = () => {};
-    ws.onclose = (e) => this._onClose(e);
-    const started = new Promise((resolve, reject) => (this._sessionWaiter = { resolve, reject }));
+    ws.onclose = (e) => {
+      if (this.ws !== ws) return;
+      if (this._sessionWaiter) {
+        // the session never started on this socket: the attempt that opened it fails
+        this._sessionWaiter.reject(new VoicegwError("connect_failed", `closed ${e.code} ${e.reason}`, { code: e.code }));
+        this._sessionWaiter = null;
+        return;
+      }
+      this._onClose(e);
+    };
     const start = { type: T.SESSION_START, sample_rate: this.opts.sampleRate, format: this.opts.format };
     if (this.opts.voice != null && this.opts.voice !== "") start.voice = this.opts.voice;
     if (this.opts.language) start.language = this.opts.language;
     if (this.opts.options) start.options = this.opts.options;
-    this._send(start);
-    const [session] = await Promise.all([started, audioReady]);
+    ws.send(JSON.stringify(start));
+    const session = await started;
+    this._linkUp = true;
     return session;
   }
 
@@ -201,9 +251,20 @@ export class VoiceGateway extends EventTarget {
   /** Close the session (and the AudioContext this client created). */
   async close(code = C.NORMAL) {
     this.closed = true;
+    this._linkUp = false;
     if (this.ws && this.ws.readyState <= 1) this.ws.close(code);
     if (this.node) this.node.disconnect();
     if (this.ctx && !this.opts.audioContext) await this.ctx.close().catch(() => {});
+  }
+
+  /** Stream position (samples) of the next audio the player gets: where a caption starts. */
+  get streamPosition() {
+    return this._pos;
+  }
+
+  /** A session is up (false while reconnecting). */
+  get connected() {
+    return this._linkUp && !this.closed;
   }
 
   get contextSampleRate() {
@@ -216,19 +277,19 @@ export class VoiceGateway extends EventTarget {
   sendText(text) {
     if (!text) return;
     let u = this._open;
-    const msg = { type: T.TEXT_DELTA, text };
-    if (!u) {
-      u = this._newUtterance();
-      msg.id = u.localId;
+    if (!u) u = this._newUtterance();
+    if (u.text.length + text.length - u.sent > this.retry.maxBufferedChars) {
+      this._settle(u, null, new VoicegwError("buffer_full", "text kept while it cannot be sent is over retry.maxBufferedChars"));
+      return;
     }
     if (u.tFirstText == null) u.tFirstText = performance.now();
-    u.chars += text.length;
-    this._send(msg);
+    u.text += text;
+    this._pump(u);
   }
 
   /** Speak what was sent so far without waiting for a sentence end. */
   flush() {
-    if (this._open) this._send({ type: T.TEXT_FLUSH });
+    if (this._open && this._linkUp && !this._open.parked) this._send({ type: T.TEXT_FLUSH });
   }
 
   /** End the open utterance. Resolves like speak() when it has been spoken (or cancelled). */
@@ -237,8 +298,8 @@ export class VoiceGateway extends EventTarget {
     if (!u) return Promise.resolve(null);
     this._open = null;
     u.ended = true;
-    this._send({ type: T.TEXT_END });
-    if (u.chars === 0) this._settle(u, { status: "empty" });
+    if (u.text.length === 0) this._settle(u, { status: "empty" });
+    else this._pump(u);
     return u.promise;
   }
 
@@ -274,6 +335,15 @@ export class VoiceGateway extends EventTarget {
    */
   cancel() {
     this._cancelCount += 1; // speak() loops stop reading their sources
+    if (!this._linkUp && !this.closed && this.session) {
+      // reconnecting: no server session to stop; silence and forget locally
+      this._open = null;
+      if (this.node) this.node.port.postMessage({ type: "cancel", id: ++this._cancelSeq });
+      const msg = { type: S.CANCELLED, local: true, cancelled_utterances: [] };
+      for (const u of this._utterances.slice()) this._settle(u, { cancelled: true, heardText: "" });
+      this._emit("cancelled", msg);
+      return Promise.resolve(msg);
+    }
     if (!this.ws || this.ws.readyState !== 1) return Promise.resolve(null);
     this._open = null;
     for (const u of this._utterances) u.cancelling = true;
@@ -292,7 +362,7 @@ export class VoiceGateway extends EventTarget {
       if (sent) return;
       sent = true;
       const msg = { type: T.CANCEL };
-      if (played != null) msg.played_samples = played;
+      if (played != null) msg.played_samples = Math.max(0, played - this._playedBase);
       const held = this._hold || [];
       this._hold = null;
       this._send(msg);
@@ -312,7 +382,19 @@ export class VoiceGateway extends EventTarget {
     const u = {
       localId: `u${++this._localSeq}`,
       id: null,
-      chars: 0,
+      text: "", // all text given to it
+      baseChar: 0, // where the current sending starts in `text`
+      sent: 0, // chars of `text` sent in the current sending
+      endSent: false,
+      parked: !this._linkUp, // text kept, not sent (outage, overload wait)
+      retrying: false,
+      attempts: 1,
+      resumes: 0,
+      take: 0,
+      segBase: 0,
+      sampleBase: 0,
+      segs: new Map(), // segment index -> {startChar, endChar, sampleOffset, pos, done, take, text, samples}
+      plays: [], // every take of every segment: {segment, take, text, startPos, samples, complete}
       ended: false,
       tFirstText: null,
       tFirstAudio: null,
@@ -342,6 +424,23 @@ export class VoiceGateway extends EventTarget {
     if (this.ws && this.ws.readyState === 1) this.ws.send(JSON.stringify(obj));
   }
 
+  /** Send what `u` holds that its current sending lacks: text, then text.end when asked. */
+  _pump(u) {
+    if (u.parked || !this._linkUp || u.settled) return;
+    while (u.sent < u.text.length) {
+      const piece = u.text.slice(u.sent, u.sent + MAX_PIECE_CHARS);
+      const msg = { type: T.TEXT_DELTA, text: piece };
+      if (u.sent === u.baseChar) msg.id = u.localId;
+      u.sent += piece.length;
+      u.sentAny = true;
+      this._send(msg);
+    }
+    if (u.ended && !u.endSent) {
+      u.endSent = true;
+      this._send({ type: T.TEXT_END });
+    }
+  }
+
   _emit(type, detail) {
     this.dispatchEvent(new CustomEvent(type, { detail }));
   }
@@ -350,7 +449,7 @@ export class VoiceGateway extends EventTarget {
   _record(id) {
     let u = this._byId.get(id);
     if (!u && id > this._maxId) {
-      u = this._utterances.find((x) => x.id == null && !x.settled && x.chars > 0);
+      u = this._utterances.find((x) => x.id == null && !x.settled && !x.parked && x.sent > x.baseChar);
       if (u) {
         u.id = id;
         this._maxId = id;
@@ -378,18 +477,35 @@ export class VoiceGateway extends EventTarget {
         this._sessionWaiter = null;
         this._emit("session", msg);
         break;
-      case S.SEGMENT_STARTED:
-        this._record(msg.utterance_id);
-        this._emit("segment", msg);
+      case S.SEGMENT_STARTED: {
+        const u = this._record(msg.utterance_id);
+        if (u) {
+          const index = u.segBase + msg.segment;
+          const seg = this._seg(u, index);
+          seg.startChar = u.baseChar + (msg.start_char || 0);
+          seg.endChar = u.baseChar + (msg.end_char || 0);
+          seg.sampleOffset = u.sampleBase + (msg.sample_offset || 0);
+          seg.play.text = msg.text;
+          this._emit("segment", { ...msg, segment: index, sample_offset: seg.sampleOffset, localId: u.localId });
+        } else this._emit("segment", msg);
         break;
-      case S.SEGMENT_DONE:
+      }
+      case S.SEGMENT_DONE: {
+        const u = this._record(msg.utterance_id);
+        if (u) {
+          const seg = u.segs.get(u.segBase + msg.segment);
+          if (seg) seg.done = seg.play.complete = true;
+        }
         this._emit("segmentdone", msg);
         break;
+      }
       case S.UTTERANCE_DONE: {
         const u = this._record(msg.utterance_id);
-        if (u && !u.settled) {
+        if (u && u.retrying) {
+          this._byId.delete(msg.utterance_id); // the refused sending ended; the retry follows
+        } else if (u && !u.settled) {
           u.done = msg;
-          u.endPos = this.stats.receivedSamples;
+          u.endPos = this._pos;
           if (this.node) this.node.port.postMessage({ type: "end" });
           this._checkDrained();
           if (!this.node) this._settle(u, {});
@@ -418,8 +534,11 @@ export class VoiceGateway extends EventTarget {
         if (u && msg.utterance_id == null && u.received === 0) {
           // the opening delta was refused: this utterance never opened on the server
           if (this._open === u) this._open = null;
-          u.chars = 0;
+          u.text = "";
+          u.sent = u.baseChar = 0;
           this._settle(u, null, new VoicegwError(msg.code, msg.message, msg));
+        } else if (u && msg.code === E.ENGINE_OVERLOADED) {
+          this._maybeRetry(u, msg);
         }
         if (msg.fatal && this._sessionWaiter) {
           this._sessionWaiter.reject(new VoicegwError(msg.code, msg.message, msg));
@@ -440,6 +559,7 @@ export class VoiceGateway extends EventTarget {
     }
     const dv = new DataView(buf);
     const format = dv.getUint8(1);
+    const segment = dv.getUint16(2, true);
     const utteranceId = dv.getUint32(4, true);
     const bytesPerSample = format === PROTOCOL.formats.mulaw ? 1 : 2;
     const n = (buf.byteLength - HEADER_BYTES) / bytesPerSample;
@@ -449,20 +569,45 @@ export class VoiceGateway extends EventTarget {
     this.stats.frames++;
     if (u) {
       u.received += n;
+      const seg = this._seg(u, u.segBase + segment);
+      if (seg.pos == null) {
+        seg.pos = this._pos;
+        seg.play.startPos = this._pos;
+      }
+      seg.play.samples += n;
       if (u.tFirstAudio == null) {
         u.tFirstAudio = now;
         u.ttfaMs = u.tFirstText != null ? now - u.tFirstText : null;
         this._emit("ttfa", { utteranceId, ms: u.ttfaMs });
       }
     }
+    this._pos += n;
     if (this.node) this.node.port.postMessage(buf, [buf]);
+  }
+
+  _seg(u, index) {
+    let seg = u.segs.get(index);
+    if (!seg) {
+      const play = { segment: index, take: u.take, text: "", startPos: null, samples: 0, complete: false };
+      u.plays.push(play);
+      seg = { startChar: u.baseChar, endChar: u.baseChar, sampleOffset: u.sampleBase, pos: null, done: false, play };
+      u.segs.set(index, seg);
+    }
+    return seg;
   }
 
   _onWorklet(m) {
     switch (m.type) {
+      case "truncated":
+        this._pos = m.receivedSamples;
+        if (this._outage && m.bufferedMs <= 0 && this._outage.tDry == null) this._outage.tDry = performance.now();
+        break;
       case "report":
       case "cancelled": {
         this._lastReport = m;
+        if (this._outage && this._outage.tDry == null && (m.drained || m.bufferedMs <= 0)) {
+          this._outage.tDry = performance.now();
+        }
         this.stats.playedSamples = m.playedSamples;
         this.stats.bufferedMs = m.bufferedMs;
         this.stats.underruns = m.underruns;
@@ -477,12 +622,14 @@ export class VoiceGateway extends EventTarget {
         } else {
           this._sendPlayback(m);
         }
+        if (m.type === "report") this._noteResumedAudio(m.playedSamples, false);
         this._emit("report", { ...m, ...this.stats });
         if (m.drained) this._emit("drained", m);
         this._checkDrained();
         break;
       }
       case "started": {
+        this._noteResumedAudio(m.playedSamples, true);
         for (const u of this._utterances) {
           if (!u.settled && u.tPlay == null && u.received > 0) {
             u.tPlay = performance.now();
@@ -501,12 +648,31 @@ export class VoiceGateway extends EventTarget {
     }
   }
 
+  /** The outage is over for the listener once audio of the new session plays. */
+  _noteResumedAudio(played, started) {
+    const o = this._outage;
+    if (!o || o.tUp == null || !this._linkUp) return;
+    if (started ? played < this._playedBase : played <= this._playedBase) return;
+    const now = performance.now();
+    this.lastOutage = {
+      outageMs: Math.round(o.tUp - o.tDrop),
+      toAudioMs: Math.round(now - o.tUp),
+      gapMs: Math.round(now - (o.tDry ?? now)),
+      attempts: o.attempts,
+    };
+    this._outage = null;
+    const u = this._utterances.find((x) => x.resumes > 0);
+    if (u) u.gapMs = (u.gapMs || 0) + this.lastOutage.gapMs;
+    this._emit("audioresumed", this.lastOutage);
+  }
+
   _sendPlayback(m) {
+    if (!this._linkUp) return;
     const lat = this.ctx ? (this.ctx.outputLatency || this.ctx.baseLatency || 0) * 1000 : 0;
     this.stats.outputLatencyMs = lat;
     this._send({
       type: T.PLAYBACK,
-      played_samples: m.playedSamples,
+      played_samples: Math.max(0, m.playedSamples - this._playedBase),
       buffered_ms: Math.round(Math.max(0, m.bufferedMs) * 10) / 10,
       underruns: m.underruns,
       output_latency_ms: Math.round(Math.min(60000, Math.max(0, lat)) * 10) / 10,
@@ -541,10 +707,24 @@ export class VoiceGateway extends EventTarget {
       underruns: this.stats.underruns - u.underrunsAtStart,
       cancelled: !!extra.cancelled,
       heardText: extra.heardText,
+      attempts: u.attempts,
+      resumes: u.resumes,
+      gapMs: u.gapMs || 0,
+      plays: u.plays.map((p) => ({ ...p })),
     });
   }
 
   _onClose(e) {
+    this._linkUp = false;
+    if (!this.closed && this.retry.reconnect && this.session && RESUMABLE_CLOSES.has(e.code)) {
+      this._emit("disconnected", { code: e.code, reason: e.reason });
+      for (const resolve of this._cancelReplies.splice(0)) resolve({ type: S.CANCELLED, local: true });
+      this._hold = null;
+      this._outage = { tDrop: performance.now(), tUp: null, tDry: null, attempts: 0 };
+      this._planResume();
+      this._reconnect().catch(() => {});
+      return;
+    }
     this.closed = true;
     const err = new VoicegwError("closed", `connection closed ${e.code} ${e.reason || ""}`.trim(), {
       code: e.code,
@@ -558,6 +738,147 @@ export class VoiceGateway extends EventTarget {
     }
     for (const resolve of this._cancelReplies.splice(0)) resolve(null);
     this._emit("close", { code: e.code, reason: e.reason });
+  }
+
+  // ------------------------------------------------------------------ retry and resume
+
+  _maybeRetry(u, msg) {
+    if (u.received > 0 || u.attempts >= this.retry.overloadAttempts || u.settled || this.closed) return;
+    const base = typeof msg.retry_after_ms === "number" ? msg.retry_after_ms : this.retry.reconnectInitialMs;
+    const waitMs = Math.min(this.retry.overloadMaxWaitMs, jittered(base, this.retry.jitter));
+    u.parked = true;
+    u.retrying = true;
+    if (!u.endSent) {
+      u.endSent = true;
+      this._send({ type: T.TEXT_END }); // ends the refused sending (the server absorbs its text until then)
+    }
+    this._emit("retry", { localId: u.localId, attempt: u.attempts + 1, waitMs: Math.round(waitMs) });
+    setTimeout(() => {
+      if (u.settled || !u.retrying || !this._linkUp || this.closed) return; // a reconnect took it over
+      u.attempts += 1;
+      u.retrying = false;
+      if (u.id != null) this._byId.delete(u.id);
+      u.id = null;
+      u.baseChar = u.sent = 0;
+      u.endSent = false;
+      u.take += 1;
+      u.parked = false;
+      this._pump(u);
+    }, waitMs);
+  }
+
+  /** Park every unfinished utterance at its first segment not wholly received; drop the audio
+   * after that point from the worklet (what is left plays on meanwhile). */
+  _planResume() {
+    let keep = null;
+    for (const u of this._utterances) {
+      if (u.settled || (u.done && !u.retrying)) continue;
+      u.parked = true;
+      u.retrying = false;
+      let k = u.segBase;
+      while (u.segs.has(k) && u.segs.get(k).done) k++;
+      const seg = u.segs.get(k);
+      const prev = u.segs.get(k - 1);
+      let char;
+      let sample;
+      if (seg) {
+        char = seg.startChar;
+        sample = seg.sampleOffset;
+        if (seg.pos != null && keep == null) keep = seg.pos;
+      } else if (prev) {
+        char = prev.endChar;
+        sample = prev.sampleOffset + prev.play.samples;
+      } else {
+        char = u.baseChar;
+        sample = u.sampleBase;
+      }
+      for (const j of [...u.segs.keys()]) if (j >= k) u.segs.delete(j);
+      if (u.id != null) this._byId.delete(u.id);
+      u.id = null;
+      u.baseChar = u.sent = char;
+      u.endSent = false;
+      u.segBase = k;
+      u.sampleBase = sample;
+      u.received = sample;
+      u.take += 1;
+      if (u.sentAny) {
+        u.resumes += 1;
+        u.resumeNote = true;
+      }
+    }
+    if (keep != null && this.node) {
+      this._pos = keep;
+      this.node.port.postMessage({ type: "truncate", keep, id: ++this._cancelSeq });
+    } else if (this.node) {
+      this.node.port.postMessage({ type: "report" });
+    }
+  }
+
+  async _reconnect() {
+    const o = this._outage;
+    const deadline = o.tDrop + this.retry.reconnectTimeoutMs;
+    let attempt = 0;
+    while (!this.closed) {
+      attempt += 1;
+      const base = Math.min(this.retry.reconnectMaxMs, this.retry.reconnectInitialMs * 2 ** (attempt - 1));
+      const waitMs = jittered(base, this.retry.jitter);
+      if (performance.now() + waitMs > deadline) break;
+      this._emit("reconnecting", { attempt, waitMs: Math.round(waitMs) });
+      await sleep(waitMs);
+      if (this.closed) return;
+      try {
+        await this._openSession();
+      } catch {
+        continue;
+      }
+      this.reconnects += 1;
+      o.tUp = performance.now();
+      o.attempts = attempt;
+      this._emit("reconnected", { attempts: attempt, outageMs: Math.round(o.tUp - o.tDrop) });
+      await this._replay();
+      return;
+    }
+    if (this.closed) return;
+    this.closed = true;
+    this._outage = null;
+    this._emit("gaveup", { attempts: attempt });
+    const err = new VoicegwError("closed", `could not reconnect within ${this.retry.reconnectTimeoutMs} ms`);
+    for (const u of this._utterances.slice()) {
+      if (u.done && this.node) continue;
+      this._settle(u, null, err);
+    }
+    this._emit("close", { code: 1006, reason: "gave up reconnecting" });
+  }
+
+  /** A new session is up: its ids and played counter start afresh; send the parked utterances. */
+  async _replay() {
+    this._byId.clear();
+    this._maxId = 0;
+    if (this.node) {
+      const rep = await new Promise((resolve) => {
+        const prev = this.node.port.onmessage;
+        const t = setTimeout(() => resolve(this._lastReport), 200);
+        this.node.port.onmessage = (e) => {
+          prev(e);
+          if (e.data && e.data.type === "report") {
+            clearTimeout(t);
+            this.node.port.onmessage = prev;
+            resolve(e.data);
+          }
+        };
+        this.node.port.postMessage({ type: "report" });
+      });
+      this._playedBase = rep ? rep.playedSamples + Math.max(0, this._pos - rep.consumedSamples) : 0;
+    }
+    for (const u of this._utterances.slice()) {
+      if (!u.parked || u.settled || !this._linkUp) continue;
+      u.parked = false;
+      if (u.resumeNote) {
+        u.resumeNote = false;
+        this._emit("resumed", { localId: u.localId, fromSegment: u.segBase, fromChar: u.baseChar });
+      }
+      this._pump(u);
+    }
   }
 }
 
