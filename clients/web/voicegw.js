@@ -651,7 +651,7 @@ export class VoiceGateway extends EventTarget {
   /** The outage is over for the listener once audio of the new session plays. */
   _noteResumedAudio(played, started) {
     const o = this._outage;
-    if (!o || o.tUp == null || !this._linkUp) return;
+    if (!o || !o.based || !this._linkUp) return;
     if (started ? played < this._playedBase : played <= this._playedBase) return;
     const now = performance.now();
     this.lastOutage = {
@@ -870,6 +870,7 @@ export class VoiceGateway extends EventTarget {
       });
       this._playedBase = rep ? rep.playedSamples + Math.max(0, this._pos - rep.consumedSamples) : 0;
     }
+    if (this._outage) this._outage.based = true; // from here, played past the base is resumed audio
     for (const u of this._utterances.slice()) {
       if (!u.parked || u.settled || !this._linkUp) continue;
       u.parked = false;
