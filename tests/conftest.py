@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -193,59 +193,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if reason:
             item.add_marker(pytest.mark.xfail(reason=reason, strict=False))
 
-
-class RestartableGateway:
-    """The gateway with the real engine (vLLM, the tiny checkpoint) in its own process, on a fixed
-    port, so a test can kill it and start it again where clients will look for it."""
-
-    def __init__(self, model_dir: Path, log_path: Path) -> None:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = int(sock.getsockname()[1])
-        self.model_dir = model_dir
-        self.log_path = log_path
-        self.proc: Any = None
-        self.start_s: list[float] = []
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/ws"
-
-    def start(self) -> None:
-        import time
-
-        from tests.reliability.gwproc import GatewayProcess
-
-        t0 = time.monotonic()
-        self.proc = GatewayProcess(
-            "vllm", model_dir=self.model_dir, start_timeout_s=300, log_path=self.log_path,
-            settings={"gateway.port": self.port, "engine.kv_cache_gib": 0.25, "engine.max_num_seqs": 8,
-                      "engine.max_model_len": MAX_MODEL_LEN, "engine.default_speaker": "2222"},
-        )
-        self.proc.start()
-        self.start_s.append(time.monotonic() - t0)
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc = None
-
-    def ensure_up(self) -> None:
-        if self.proc is None or not self.proc.alive():
-            self.start()
-
-
-@pytest.fixture(scope="session")
-def restartable_gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RestartableGateway]:
-    """One real-engine gateway process for the tests that kill and restart a gateway."""
-    gw = RestartableGateway(tiny_model_dir, tmp_path_factory.mktemp("gwproc") / "gateway.log")
-    gw.start()
-    yield gw
-    if gw.proc is not None:
-        gw.proc.stop()

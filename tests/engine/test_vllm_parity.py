@@ -275,7 +275,8 @@ async def test_engine_crash_is_unrecoverable_then_restart(vllm_engine: Any, refe
     tasks = [asyncio.create_task(run(r, ev)) for r, ev in zip(reqs, started, strict=True)]
     try:
         await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), timeout=30)
-        mine = psutil.Process(os.getpid()).children(recursive=True)
+        # direct children: this engine's core (a gateway process a fixture runs has its own)
+        mine = psutil.Process(os.getpid()).children(recursive=False)
         cores = [p for p in mine if "EngineCor" in p.name() or "EngineCore" in " ".join(p.cmdline())]
         assert cores, [p.name() for p in mine]
         for p in cores:
@@ -296,7 +297,7 @@ async def test_engine_crash_is_unrecoverable_then_restart(vllm_engine: Any, refe
             # two callers at once (a watchdog beside an operator) restart it once: a second
             # restart would shut down the first one's engine later, under live traffic (CI)
             await asyncio.gather(vllm_engine.restart(), vllm_engine.restart())
-            cores_now = [p for p in psutil.Process(os.getpid()).children(recursive=True)
+            cores_now = [p for p in psutil.Process(os.getpid()).children(recursive=False)
                          if "EngineCore" in " ".join(p.cmdline()) or "EngineCor" in p.name()]
             assert len(cores_now) == 1, cores_now
         # a request of the killed engine can outlive it in a reference cycle until the cyclic

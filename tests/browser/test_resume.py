@@ -1,0 +1,231 @@
+"""Clients ride out a gateway restart: the real gateway (vLLM on the tiny checkpoint) in its own
+process is SIGKILLed mid-answer and started again on the same port (a restart under an
+orchestrator). The Python client and the browser client (headless chromium, on a page the gateway
+serves) reconnect, resume at the first segment not wholly received and report the gap. Figures
+(outage-to-audio time, the gateway's restart excluded) are printed as ``[reliability]`` lines
+(``pytest -s``)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clients.python import Client, ClientEvent, RetryPolicy
+from tests.conftest import MAX_MODEL_LEN
+
+ANSWER = ("Let me walk you through it, one step at a time. First, open the settings page. "
+          "Then choose the network tab, near the top. Next, turn the switch on and wait a moment. "
+          "After that, pick your home network from the list. Type the password and press join. "
+          "Finally, check that the little icon turns green. That is all there is to it.")
+
+
+def _report(name: str, **numbers: Any) -> None:
+    print(f"[reliability] {name}: " + ", ".join(f"{k}={v}" for k, v in numbers.items()), file=sys.stderr)
+
+
+async def _until(pred: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():  # noqa: ASYNC110 - polling state other tasks advance
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+class RestartableGateway:
+    """The gateway with the real engine (vLLM, the tiny checkpoint) in its own process, on a fixed
+    port, so a test can kill it and start it again where clients will look for it."""
+
+    def __init__(self, model_dir: Path, log_path: Path) -> None:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = int(sock.getsockname()[1])
+        self.model_dir = model_dir
+        self.log_path = log_path
+        self.proc: Any = None
+        self.start_s: list[float] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/ws"
+
+    def start(self) -> None:
+        import time
+
+        from tests.reliability.gwproc import GatewayProcess
+
+        t0 = time.monotonic()
+        self.proc = GatewayProcess(
+            "vllm", model_dir=self.model_dir, start_timeout_s=300, log_path=self.log_path,
+            settings={"gateway.port": self.port, "engine.kv_cache_gib": 0.25, "engine.max_num_seqs": 8,
+                      "engine.max_model_len": MAX_MODEL_LEN, "engine.default_speaker": "2222"},
+        )
+        self.proc.start()
+        self.start_s.append(time.monotonic() - t0)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc = None
+
+    def ensure_up(self) -> None:
+        if self.proc is None or not self.proc.alive():
+            self.start()
+
+
+@pytest.fixture(scope="module")
+def restartable_gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RestartableGateway]:
+    """One real-engine gateway process for this module's tests (each kills and restarts it)."""
+    gw = RestartableGateway(tiny_model_dir, tmp_path_factory.mktemp("gwproc") / "gateway.log")
+    gw.start()
+    yield gw
+    if gw.proc is not None:
+        gw.proc.stop()
+
+
+async def test_gateway_killed_mid_answer_resumes_at_first_unheard_segment(
+        restartable_gateway: RestartableGateway) -> None:
+    gw = restartable_gateway
+    gw.ensure_up()
+    events: list[ClientEvent] = []
+    policy = RetryPolicy(reconnect_timeout_s=300.0, reconnect_max_ms=1000.0)
+    async with Client(gw.ws_url, playback="realtime", prebuffer_ms=300, retry=policy,
+                      on_event=events.append) as c:
+        u = c.speak(ANSWER)
+        # mid-answer: the second segment's audio is arriving (the first one plays or has played)
+        await _until(lambda: any(p.segment >= 1 and p.samples > 0 for p in u.stats.plays), 120,
+                     "the second segment's audio")
+        assert not u.done.is_set(), "the whole answer arrived before the kill: nothing to resume"
+        plays_at_kill = [dataclasses.replace(p) for p in u.stats.plays]
+        t_kill = time.monotonic()
+        gw.kill()
+        await asyncio.to_thread(gw.start)  # the same port: a restart under an orchestrator
+        restart_s = time.monotonic() - t_kill
+        stats = await asyncio.wait_for(u.wait_played(), 300)
+        outage = c.last_outage
+
+    assert stats.status == "ok" and stats.resumes == 1, stats
+    kinds = [e.type for e in events]
+    assert kinds[0] == "disconnected" and "reconnected" in kinds and "resumed" in kinds, kinds
+    assert events[0].detail["code"] in (1006, 1011, 1012, 1013), events[0]
+    # what was heard: every segment wholly once, in order, and together they are the answer
+    heard = [p for p in stats.plays if p.complete and p.played >= p.samples > 0]
+    indexes = [p.segment for p in heard]
+    assert indexes == sorted(indexes) and len(indexes) == len(set(indexes)), (
+        f"a segment heard twice or out of order: {indexes}")
+    every = sorted({p.segment for p in stats.plays if p.samples > 0 or p.complete})
+    assert indexes == every, f"segments skipped: {sorted(set(every) - set(indexes))}"
+    assert _words(" ".join(p.text for p in heard)) == _words(ANSWER), [p.text for p in heard]
+    interrupted = [p for p in stats.plays if not p.complete]
+    assert len(interrupted) <= 1 and all(p.take == 0 for p in interrupted), stats.plays
+    assert outage is not None and outage["to_audio_ms"] is not None, outage
+    _report("python-client-resume", segments=len(indexes), heard_before_kill=len(
+        [p for p in plays_at_kill if p.complete]), gateway_restart_s=round(restart_s, 1),
+        outage_ms=outage["outage_ms"], reconnected_to_audio_ms=outage["to_audio_ms"], gap_ms=outage["gap_ms"],
+        reconnect_attempts=outage["attempts"])
+
+
+START_JS = """
+async ({text}) => {
+  const { VoiceGateway } = await import("/voicegw.js");
+  const gw = new VoiceGateway(undefined, {
+    prebufferMs: 300,
+    retry: { reconnectTimeoutMs: 300000, reconnectMaxMs: 1000 },
+  });
+  await gw.connect();
+  window.gw = gw;
+  window.events = [];
+  window.audioBySegment = {};
+  for (const k of ["disconnected", "reconnecting", "reconnected", "resumed", "audioresumed", "gaveup", "close"]) {
+    gw.addEventListener(k, (e) => window.events.push({ type: k, detail: e.detail }));
+  }
+  window.result = null;
+  window.failure = null;
+  gw.speak(text).then((r) => (window.result = r), (e) => (window.failure = String(e)));
+  return true;
+}
+"""
+
+STATE_JS = """
+() => {
+  const u = window.gw._utterances[0];
+  return {
+    plays: u ? u.plays.map((p) => ({ ...p })) : [],
+    result: window.result,
+    failure: window.failure,
+    events: window.events,
+    consumed: window.gw._consumed,
+    lastOutage: window.gw.lastOutage,
+  };
+}
+"""
+
+
+async def test_gateway_restart_mid_answer_resumes_playback(browser: Any,
+                                                          restartable_gateway: RestartableGateway) -> None:
+    gw = restartable_gateway
+    gw.ensure_up()
+    page = await browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
+    try:
+        await page.goto(gw.url + "/")
+        await page.evaluate(START_JS, {"text": ANSWER})
+        deadline = time.monotonic() + 120
+        while True:
+            st = await page.evaluate(STATE_JS)
+            if any(p["segment"] >= 1 and p["samples"] > 0 for p in st["plays"]):
+                break
+            assert st["result"] is None, f"the whole answer played before the kill: {st}"
+            assert time.monotonic() < deadline, f"no second segment: {st}"
+            await asyncio.sleep(0.05)
+        t_kill = time.monotonic()
+        gw.kill()
+        await asyncio.to_thread(gw.start)
+        restart_s = time.monotonic() - t_kill
+        deadline = time.monotonic() + 240
+        while True:
+            st = await page.evaluate(STATE_JS)
+            if st["result"] is not None or st["failure"] is not None:
+                break
+            assert time.monotonic() < deadline, f"the answer did not finish after the restart: {st}"
+            await asyncio.sleep(0.1)
+    finally:
+        await page.close()
+    assert not errors, errors
+    assert st["failure"] is None, st
+    res = st["result"]
+    kinds = [e["type"] for e in st["events"]]
+    assert res["status"] == "ok" and res["resumes"] == 1, (res, kinds)
+    assert kinds[0] == "disconnected" and "reconnected" in kinds and "resumed" in kinds and "audioresumed" in kinds, kinds
+    assert "gaveup" not in kinds and "close" not in kinds, kinds
+    outage = st["lastOutage"]
+    assert outage and outage["gapMs"] >= 0 and outage["toAudioMs"] >= 0, outage
+    resumed = next(e for e in st["events"] if e["type"] == "audioresumed")["detail"]
+    assert resumed == outage, (resumed, outage)
+    # every segment delivered whole exactly once, in order, played through, and together the answer
+    whole = [p for p in res["plays"] if p["complete"] and p["samples"] > 0]
+    idx = [p["segment"] for p in whole]
+    assert idx == sorted(set(idx)), f"a segment twice or out of order: {idx}"
+    assert idx == sorted({p["segment"] for p in res["plays"] if p["samples"] > 0}), res["plays"]
+    assert all(p["startPos"] + p["samples"] <= st["consumed"] for p in whole), (whole, st["consumed"])
+    assert _words(" ".join(p["text"] for p in whole)) == _words(ANSWER), [p["text"] for p in whole]
+    print(f"[reliability] browser-client-resume: segments={len(idx)}, gateway_restart_s={restart_s:.1f}, "
+          f"outage_ms={outage['outageMs']}, reconnected_to_audio_ms={outage['toAudioMs']}, "
+          f"gap_ms={outage['gapMs']}, attempts={outage['attempts']}", file=sys.stderr)
