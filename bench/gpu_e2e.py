@@ -1077,11 +1077,10 @@ def serve_native_main(argv: Sequence[str]) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
 
-        def fcfs(first_in_utterance: bool, client_buffered_ms: float) -> int:
-            return 0
+        from gateway.scheduling import fcfs_priority
 
         try:
-            await serve(cfg, eng, stop=stop, priority_fn=fcfs)
+            await serve(cfg, eng, stop=stop, priority_fn=fcfs_priority)
         finally:
             await eng.close()
 

@@ -14,7 +14,7 @@ import orjson
 
 from engine.api import SpeechEngine
 from gateway.metrics import GatewayMetrics
-from gateway.priority import PriorityFn
+from gateway.scheduling import PriorityFn
 from gateway.server import GatewayServer
 from gateway.session import SessionSettings
 from voicegw.config import Config, GatewayConfig
@@ -106,23 +106,9 @@ async def _main(config: Config, engine: SpeechEngine | None) -> None:
         except (NotImplementedError, RuntimeError):  # pragma: no cover
             pass
     try:
-        await serve(config, engine, stop=stop, force_stop=force, priority_fn=production_priority_fn(config))
+        await serve(config, engine, stop=stop, force_stop=force)
     finally:
         await engine.close()
-
-
-def production_priority_fn(config: Config) -> PriorityFn:
-    """The segment priority used by ``voicegw serve``: the deadline-aware scheduler policy
-    (``engine.scheduler``) when the engine schedules by priority, else FCFS (constant 0)."""
-    if config.engine.scheduling_policy == "priority":
-        from engine.scheduler import make_priority_fn
-
-        return make_priority_fn(config.scheduler)
-
-    def fcfs(first_in_utterance: bool, client_buffered_ms: float) -> int:
-        return 0
-
-    return fcfs
 
 
 class JsonFormatter(logging.Formatter):

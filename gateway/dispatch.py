@@ -1,7 +1,7 @@
 """Server-wide engine scheduling at the I/O edge: admission.
 
 One ``EngineScheduler`` per ``GatewayServer`` (``for_server``), shared by its connections. It
-is the thin shell around the pure policy of ``engine.scheduler``: ``admit`` asks the
+is the thin shell around the pure policy of ``gateway.scheduling``: ``admit`` asks the
 ``AdmissionController`` before an utterance's first segment goes to the engine, from the engine's
 load (``SpeechEngine.health().running_requests``, the batch limit ``engine.max_num_seqs``, first
 segments still waiting for output) and the step time it learned from chunk arrivals
@@ -18,7 +18,7 @@ import weakref
 from typing import Any
 
 from engine.api import SpeechEngine
-from engine.scheduler import AdmissionController, AdmissionDecision, EngineLoad
+from gateway.scheduling import AdmissionController, AdmissionDecision, EngineLoad
 from voicegw.config import Config
 
 _REGISTRY: weakref.WeakKeyDictionary[Any, EngineScheduler] = weakref.WeakKeyDictionary()

@@ -39,14 +39,13 @@ from websockets.protocol import State
 from websockets.typing import Subprotocol
 
 from engine.api import EngineError, EngineErrorKind, EngineOverloaded, SpeechEngine, SpeechRequest
-from engine.scheduler import AdmissionDecision
 from gateway import dialects
 from gateway import protocol as P
 from gateway.dispatch import EngineScheduler
 from gateway.flow import WaterMarks
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
-from gateway.priority import PriorityFn, default_priority_fn
+from gateway.scheduling import AdmissionDecision, PriorityFn, priority_fn_for
 from gateway.session import (
     AbortStream,
     Action,
@@ -142,7 +141,8 @@ class GatewayServer:
         self.static_dir = (static_dir or default_static_dir()).resolve()
         self.metrics = metrics or GatewayMetrics()
         self.settings = settings or SessionSettings.from_config(config, engine_name=engine.name)
-        self.priority_fn = priority_fn
+        self.priority_fn: PriorityFn = priority_fn or priority_fn_for(config.scheduler, config.engine.scheduling_policy)
+        """Every session's segment priority (one function: deadlines share one epoch)."""
         self.connections: set[_Connection] = set()
         self.draining = False
         self._ws: Server | None = None
@@ -386,7 +386,7 @@ class _Connection:
         self.metrics = server.metrics
         self.loop = asyncio.get_running_loop()
         self.sched = EngineScheduler.for_server(server)
-        self._base_priority: PriorityFn = server.priority_fn or default_priority_fn(server.settings.scheduler)
+        self._base_priority: PriorityFn = server.priority_fn
         self.session = Session(
             secrets.token_hex(6),
             server.settings,

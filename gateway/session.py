@@ -30,7 +30,7 @@ from engine.api import AudioChunk, SamplingParams, SpeechRequest
 from gateway import protocol as P
 from gateway.audio import encode_samples
 from gateway.flow import FlowConfig, FlowControl
-from gateway.priority import PriorityFn, default_priority_fn
+from gateway.scheduling import PriorityFn, make_priority_fn
 from gateway.segmenter import Segmenter, SegmenterConfig, is_cjk, is_speakable, text_units
 from voicegw.config import Config, LimitsConfig, SchedulerConfig
 
@@ -254,7 +254,7 @@ class Session:
     ) -> None:
         self.id = session_id
         self.settings = settings
-        self._priority_fn = priority_fn or default_priority_fn(settings.scheduler)
+        self._priority_fn = priority_fn or make_priority_fn(settings.scheduler)
         self._obs = observer or SessionObserver()
         self.started = False
         self.closed = False
@@ -728,7 +728,7 @@ class Session:
         first = index == 0
         in_hand = self._flow.ahead(now_s) + sum(s.held_samples for s in self._streams)
         runway = in_hand + sum(map(self._expected_rest, self._streams))
-        priority = int(self._priority_fn(first, runway * 1000.0 / self.rate_hz))
+        priority = int(self._priority_fn(first, runway * 1000.0 / self.rate_hz, now_s))
         request_id = f"{self.id}-{utt.id}-{index}"
         seg = _Segment(index=index, text=text, units=text_units(text), request_id=request_id,
                        start_char=chars[0], end_char=chars[1])

@@ -8,7 +8,7 @@ Engines: ``fake`` (the gateway tests' sine-tone double, ``tests/gateway/fakes.py
 source tree), ``sim`` (``loadtest.simengine``: vLLM-like batch scheduling without a model), ``vllm`` (``engine.factory`` code engine + ``engine.speech.ChatTTSSpeech``, as ``voicegw
 serve`` builds it) and ``espeak`` (``voicegw.runtime.build_speech_engine``), ``native``
 (``loadtest.baseline.NativePipelineSpeech``: upstream ChatTTS streaming, one at a time).
-Policies: ``priority`` (``engine.scheduler`` deadline priorities, vLLM ``scheduling_policy``
+Policies: ``priority`` (``gateway.scheduling`` deadline priorities, vLLM ``scheduling_policy``
 "priority") or ``fcfs`` (every segment priority 0, vLLM "fcfs").
 """
 
@@ -32,7 +32,7 @@ from loadtest.procmem import RssSampler
 
 READY_PREFIX = "READY "
 ENGINES = ("fake", "sim", "vllm", "native", "espeak")
-#: ``priority`` = engine.scheduler deadline priorities; ``fcfs`` = vLLM's arrival order.
+#: ``priority`` = gateway.scheduling deadline priorities; ``fcfs`` = vLLM's arrival order.
 POLICIES = ("priority", "fcfs")
 #: Longest wait for a server to come up (a vLLM engine start on CPU takes 15-75 s).
 START_TIMEOUT_S = 240.0
@@ -219,13 +219,13 @@ async def _child(args: argparse.Namespace) -> None:
     eng = _make_engine(args.engine, cfg)
     priority_fn: Any
     if args.policy != "fcfs":
-        from engine.scheduler import make_priority_fn
+        from gateway.scheduling import make_priority_fn
 
         lead = float(args.first_lead_ms) if args.first_lead_ms is not None else 0.0
         slack = float(args.slack_ms) if args.slack_ms is not None else None
         priority_fn = make_priority_fn(cfg.scheduler, first_lead_ms=lead, slack_ms=slack)
     else:
-        def priority_fn(first_in_utterance: bool, client_buffered_ms: float) -> int:
+        def priority_fn(first_in_utterance: bool, client_buffered_ms: float, now_s: float) -> int:
             return 0
     await eng.start()
     stop = asyncio.Event()

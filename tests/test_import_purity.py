@@ -21,8 +21,7 @@ PURE = [
     "gateway.protocol",
     "gateway.segmenter",
     "gateway.flow",
-    "gateway.priority",
-    "engine.scheduler",
+    "gateway.scheduling",
     "engine.api",
     "engine.decoder.window",
 ]

@@ -3,8 +3,8 @@ and queue-only admission."""
 
 from __future__ import annotations
 
-from engine.scheduler import AdmissionController, EngineLoad, StepTimeEstimator
 from gateway.dispatch import engine_load
+from gateway.scheduling import AdmissionController, EngineLoad, StepTimeEstimator
 from voicegw.config import SchedulerConfig
 
 

@@ -391,7 +391,7 @@ def test_mulaw_frames_and_bad_engine_audio():
 def test_priority_function_is_swappable():
     calls: list[tuple[bool, float]] = []
 
-    def prio(first: bool, buffered_ms: float) -> int:
+    def prio(first: bool, buffered_ms: float, now_s: float) -> int:
         calls.append((first, buffered_ms))
         return 42
 
@@ -430,7 +430,7 @@ def test_continuing_segment_runway_counts_audio_still_expected_ahead():
     est_ms_per_unit) less what it produced (the switch that turned this off lost: bench/RESULTS.md)."""
     calls: list[tuple[bool, float]] = []
 
-    def prio(first: bool, buffered_ms: float) -> int:
+    def prio(first: bool, buffered_ms: float, now_s: float) -> int:
         calls.append((first, buffered_ms))
         return 0 if first else 1
 

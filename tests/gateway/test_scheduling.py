@@ -1,4 +1,4 @@
-"""engine/scheduler.py: priority from playback deadline, re-evaluation, step-time model, admission."""
+"""gateway/scheduling.py: priority from playback deadline, re-evaluation, step-time model, admission."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.scheduler import (
+from gateway.scheduling import (
     OVERLOADED_CODE,
     REALTIME_STEP_MS,
     AdmissionController,
@@ -16,7 +16,9 @@ from engine.scheduler import (
     SchedulingPolicy,
     StepTimeEstimator,
     client_buffered_ms,
+    fcfs_priority,
     make_priority_fn,
+    priority_fn_for,
 )
 from voicegw.config import SchedulerConfig
 
@@ -248,14 +250,15 @@ def test_deadline_priority_monotone(t: float, a: float, b: float) -> None:
     assert p.segment_priority(0, 0.0, t) <= p.segment_priority(1, lo, t)
 
 
-def test_priority_fn_uses_the_clock() -> None:
-    now = [1_000.0]
-    fn = make_priority_fn(CFG, clock=lambda: now[0])
-    a = fn(False, 1_300.0)
-    assert a == 2  # epoch = creation time: (0 + 1300 - 300) // 500
-    now[0] += 10.0
-    assert fn(False, 1_300.0) == a + 20
-    assert fn(True, 0.0) == 10_000 // 500
+def test_priority_fn_uses_the_session_clock() -> None:
+    fn = make_priority_fn(CFG)
+    a = fn(False, 1_300.0, 1_000.0)
+    assert a == 2  # epoch = the first call's now: (0 + 1300 - 300) // 500
+    assert fn(False, 1_300.0, 1_010.0) == a + 20
+    assert fn(True, 0.0, 1_010.0) == 10_000 // 500
+    assert fcfs_priority(True, 0.0, 5.0) == fcfs_priority(False, 9e9, 9.0) == 0
+    assert priority_fn_for(CFG, "fcfs") is fcfs_priority
+    assert priority_fn_for(CFG, "priority")(True, 0.0, 3.0) == 0
 
 
 def test_default_ordering_new_utterance_vs_playing_streams() -> None:

@@ -1,7 +1,9 @@
-"""Deadline-aware scheduling policy: segment -> vLLM priority, admission, preemption choices.
+"""The gateway's scheduling policy, the one place it is decided: segment -> engine priority, and
+admission.
 
-Pure policy: no asyncio, no sockets, no torch. The gateway feeds it numbers (what it sent,
-what the client reported playing, engine load) and acts on what it returns.
+Pure policy: no asyncio, no sockets, no torch. The session says what it knows (first segment of
+an utterance or not, the audio its client has ahead, the time); the gateway's dispatch feeds the
+admission side numbers (engine load, step times) and acts on what it returns.
 
 Why: FCFS engines make a new speaker wait behind streams that already have seconds of audio
 buffered at their client. What matters to a listener is the *playback deadline*: the moment
@@ -47,11 +49,17 @@ new utterance with nothing buffered cannot wait at all. So:
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeAlias
 
 from voicegw.config import SchedulerConfig
+
+#: ``(first_in_utterance, client_buffered_ms, now_s) -> priority`` (lower runs sooner, vLLM
+#: ``scheduling_policy="priority"``). ``client_buffered_ms``: the audio the client still has to
+#: play before this segment's audio (sent-not-played, held in the gateway, and the estimated
+#: rest of segments still generating); ``now_s``: the session's clock.
+PriorityFn: TypeAlias = Callable[[bool, float, float], int]
 
 #: Error code of an admission refusal: the gateway's ``error`` message ``code``
 #: (``gateway.protocol.ErrorCode.ENGINE_OVERLOADED``; a test keeps them equal).
@@ -135,27 +143,42 @@ class SchedulingPolicy:
         """
         return math.floor(self.deadline_ms(segment_index, buffered_ms, now_s) / self.config.bucket_ms)
 
-    def priority_fn(self, clock: Callable[[], float] = time.monotonic) -> Callable[[bool, float], int]:
-        """The gateway's ``PriorityFn`` signature (``gateway/priority.py``):
-        ``fn(first_in_utterance, client_buffered_ms) -> priority``; ``clock`` gives ``now_s``."""
+    def priority_fn(self) -> PriorityFn:
+        """This policy as the session's ``PriorityFn``."""
 
-        def fn(first_in_utterance: bool, client_buffered_ms: float) -> int:
-            return self.segment_priority(0 if first_in_utterance else 1, client_buffered_ms, clock())
+        def fn(first_in_utterance: bool, client_buffered_ms: float, now_s: float) -> int:
+            return self.segment_priority(0 if first_in_utterance else 1, client_buffered_ms, now_s)
 
         return fn
 
 
 def make_priority_fn(
     config: SchedulerConfig | None = None,
-    clock: Callable[[], float] = time.monotonic,
     first_lead_ms: float = 0.0,
     slack_ms: float | None = None,
-) -> Callable[[bool, float], int]:
-    """What the gateway session takes as its priority function (drop-in for
-    ``gateway.priority.default_priority_fn``). The epoch is the clock at creation, so
-    priorities stay small numbers."""
-    policy = SchedulingPolicy(config, epoch_s=clock(), first_lead_ms=first_lead_ms, slack_ms=slack_ms)
-    return policy.priority_fn(clock)
+) -> PriorityFn:
+    """The deadline policy as a ``PriorityFn``; its epoch is the first call's ``now_s`` (so
+    priorities stay small numbers). One function serves every session of a server: their
+    deadlines share the epoch."""
+    policy: SchedulingPolicy | None = None
+
+    def fn(first_in_utterance: bool, client_buffered_ms: float, now_s: float) -> int:
+        nonlocal policy
+        if policy is None:
+            policy = SchedulingPolicy(config, epoch_s=now_s, first_lead_ms=first_lead_ms, slack_ms=slack_ms)
+        return policy.segment_priority(0 if first_in_utterance else 1, client_buffered_ms, now_s)
+
+    return fn
+
+
+def fcfs_priority(first_in_utterance: bool, client_buffered_ms: float, now_s: float) -> int:
+    """Every segment alike: the engine's arrival order (vLLM ``scheduling_policy="fcfs"``)."""
+    return 0
+
+
+def priority_fn_for(config: SchedulerConfig, scheduling_policy: str) -> PriorityFn:
+    """What a server uses: the deadline policy when the engine schedules by priority, else FCFS."""
+    return make_priority_fn(config) if scheduling_policy == "priority" else fcfs_priority
 
 
 # ---------------------------------------------------------------------------------------------
