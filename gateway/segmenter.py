@@ -18,10 +18,11 @@ Policy:
 * ``flush()`` and ``end()`` force all text received so far out (no boundary needed).
 
 Boundaries: CJK punctuation and newlines are boundaries at once. ASCII ``. , ; : ! ?`` are
-boundaries only when followed by whitespace (so ``3.14``, ``1,000``, ``10:30`` are not, and a
-trailing ``.`` waits for the next piece: it may be ``3.`` of ``3.14``); closing quotes and
-brackets after the mark belong to the segment. A few abbreviations (``Mr.``, ``e.g.``) are not
-sentence ends.
+boundaries when followed by whitespace (so ``3.14``, ``1,000``, ``10:30`` are not); at the end
+of the text so far, ``!``/``?`` and a ``,``/``;`` right after a letter are boundaries at once
+(nothing that follows can undo them), while a trailing ``.`` or ``:`` waits for the next piece
+(it may be ``3.`` of ``3.14``). Closing quotes and brackets right after the mark belong to the
+segment. A few abbreviations (``Mr.``, ``e.g.``) are not sentence ends.
 
 Units measure length roughly in speaking time: one per non-space character, three per CJK
 character (a CJK character takes about as long to say as three Latin letters).
@@ -123,10 +124,24 @@ def find_boundaries(text: str) -> list[Boundary]:
                     i = j
                     continue
                 out.append(Boundary(j, sentence))
+            elif j == n and _certain_at_end(text, i):
+                out.append(Boundary(j, ch in SENTENCE_END_ASCII))
             i = j
             continue
         i += 1
     return out
+
+
+def _certain_at_end(text: str, mark: int) -> bool:
+    """A mark run that ends the text so far is a boundary without waiting for the next piece
+    when no next piece can undo it: ``!``/``?`` runs (no number or abbreviation has them), and
+    ``,``/``;`` right after a letter (``1,000`` has a digit before its comma). A trailing ``.``
+    or ``:`` waits (``3.14``, ``e.g.``, ``10:30``). The next token of an LLM stream typically
+    arrives tens of ms later: that is time to first audio saved."""
+    run = text[mark:]
+    if run and all(c in "!?" for c in run):
+        return True
+    return run in (",", ";") and mark > 0 and text[mark - 1].isalpha()
 
 
 def _is_abbreviation(text: str, dot: int) -> bool:

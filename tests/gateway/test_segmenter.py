@@ -32,6 +32,22 @@ def test_numbers_and_abbreviations_are_not_boundaries():
     # a trailing mark is not yet a boundary: the next piece may be "14" of "3.14"
     assert ends("The value is 3.") == []
     assert ends("The value is 3.14. ") == [("The value is 3.14.", True)]
+    assert ends("It costs 1,") == [] and ends("At 10:") == [] and ends("Ask Mr.") == []
+
+
+def test_a_mark_nothing_can_undo_is_a_boundary_without_the_next_piece():
+    """An LLM streams "," and " next" as separate tokens: the first segment goes out with the
+    comma's token, not one token later."""
+    assert ends("Hello there, my friend,") == [("Hello there,", False), ("Hello there, my friend,", False)]
+    assert ends("Really?!") == [("Really?!", True)]
+    assert ends("Is it 3?") == [("Is it 3?", True)]
+    assert ends("first; second;") == [("first;", False), ("first; second;", False)]
+    seg = Segmenter(SegmenterConfig(first_min_units=10))
+    seg.feed("Sure thing my friend", 0.0)
+    assert seg.next_segment(0.0) is None
+    seg.feed(",", 0.02)
+    s = seg.next_segment(0.02)
+    assert s is not None and s.text == "Sure thing my friend," and not s.forced
 
 
 def test_boundaries_chinese_need_no_lookahead():
