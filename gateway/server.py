@@ -105,6 +105,14 @@ def _response(status: int, body: bytes, content_type: str, headers: list[tuple[s
     return Response(st.value, st.phrase, hdrs, body)
 
 
+def _with_request_id(conn: ServerConnection, request: Request, response: Response) -> Response:
+    """Every answer of the websockets side (upgrades, GETs, refusals) carries ``x-request-id``
+    (the HTTP side, gateway/dialects/front.py, adds its own)."""
+    if "x-request-id" not in response.headers:
+        response.headers["x-request-id"] = dialects.request_id()
+    return response
+
+
 def _text(status: int, text: str, headers: list[tuple[str, str]] | None = None) -> Response:
     return _response(status, (text + "\n").encode(), "text/plain; charset=utf-8", headers)
 
@@ -159,6 +167,7 @@ class GatewayServer:
             g.host,
             g.port,
             process_request=self._process_request,
+            process_response=_with_request_id,
             select_subprotocol=self._select_subprotocol,
             compression=None,
             max_size=self.config.limits.max_message_bytes,
@@ -239,6 +248,8 @@ class GatewayServer:
         if request.method != "GET":
             return _text(405, "method not allowed", [("Allow", "GET")])
         if not upgrade:
+            if path.startswith("/v1/"):  # the dialects' listings, and their 404s, as JSON
+                return dialects.get_listing(self, request, parts.path, parts.query)
             return self._http(path)
         if path != P.WS_PATH:
             return dialects.process_request(self, request)  # OpenAI/ElevenLabs/Deepgram paths, else 404

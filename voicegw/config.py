@@ -203,6 +203,9 @@ class LimitsConfig:
     (an open utterance waiting for text does not count), from the handshake on."""
     flow_window_ms: float = 2_000.0
     """Never run further ahead of the client's reported playhead than this (ms of audio)."""
+    openai_max_input_chars: int = 4096
+    """OpenAI dialect: longest ``input`` of ``POST /v1/audio/speech`` (OpenAI documents 4096
+    characters); longer: 400 ``string_above_max_length``. ``max_utterance_chars`` still caps it."""
     max_queued_utterances: int = 16
     """Unfinished utterances a session may hold (queued behind the one speaking included); a new
     utterance beyond it is refused with ``queue_full`` (the wire's ``max_queued_utterances``)."""
@@ -257,6 +260,7 @@ _POSITIVE: set[tuple[str, str]] = {
     ("limits", "idle_timeout_s"),
     ("limits", "flow_window_ms"),
     ("limits", "max_queued_utterances"),
+    ("limits", "openai_max_input_chars"),
 }
 
 

@@ -2,7 +2,10 @@
 
 * OpenAI ``POST /v1/audio/speech`` (``openai.py``, served by ``front.py``);
 * ElevenLabs ``/v1/text-to-speech/{voice_id}/stream-input`` WebSocket (``elevenlabs.py``);
-* Deepgram ``/v1/speak`` WebSocket (``deepgram.py``).
+* Deepgram ``/v1/speak`` WebSocket (``deepgram.py``);
+* ``GET /v1/models``, ``/v1/voices``, ``/v1/audio/voices`` (``listings.py``).
+
+Every response carries ``x-request-id`` (clients log it; LiveKit warns without it).
 
 Every dialect connection runs one native session (``gateway/session.py``) through the same
 ``server._Connection`` as a native client: same engine, scheduler, limits, flow control, metrics.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import email.utils
 import http
+import secrets
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import parse_qs, urlsplit
 
@@ -29,7 +33,7 @@ from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
 from gateway import protocol as P
-from gateway.dialects import deepgram, elevenlabs
+from gateway.dialects import deepgram, elevenlabs, listings
 from gateway.dialects.base import token_matches
 from gateway.dialects.front import HttpExchange, front_connection
 from gateway.dialects.socket import DialectSocket
@@ -37,7 +41,7 @@ from gateway.dialects.socket import DialectSocket
 if TYPE_CHECKING:
     from gateway.server import GatewayServer
 
-__all__ = ["adapt", "front_connection", "process_request", "select_subprotocol"]
+__all__ = ["adapt", "front_connection", "get_listing", "process_request", "request_id", "select_subprotocol"]
 
 _DEEPGRAM_SUBPROTOCOLS = ("token", "bearer")
 
@@ -61,6 +65,27 @@ def _json_response(status: int, obj: Any, headers: list[tuple[str, str]] | None 
 
 def _text_response(status: int, text: str) -> Response:
     return _response(status, (text + "\n").encode(), "text/plain; charset=utf-8")
+
+
+def request_id() -> str:
+    """A fresh ``x-request-id`` value."""
+    return "req_" + secrets.token_hex(12)
+
+
+def get_listing(server: GatewayServer, request: Request, path: str, query: str) -> Response:
+    """``GET /v1/...`` without an upgrade: a listing or a 404, in the asking client's shape."""
+    tokens = server.config.gateway.auth_tokens
+    if tokens and not token_matches(_credentials(request.headers, query), tokens):
+        server.metrics.rejected.labels("auth").inc()
+        who = listings.vendor(request.headers)
+        body: Any = ({"detail": {"status": "invalid_api_key", "message": "Invalid API key"}} if who == "elevenlabs"
+                     else {"err_code": "INVALID_AUTH", "err_msg": "Invalid credentials."} if who == "deepgram"
+                     else {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
+                                     "param": None, "code": "invalid_api_key"}})
+        return _json_response(401, body, [("WWW-Authenticate", 'Bearer realm="voicegw"')])
+    rid = request_id()
+    status, obj = listings.answer(path, request.headers, rid)
+    return _json_response(status, obj, [("x-request-id", rid)])
 
 
 def _dialect_of(path: str) -> str | None:

@@ -21,6 +21,7 @@ import contextlib
 import email.utils
 import http
 import logging
+import secrets
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import parse_qs, urlsplit
@@ -152,6 +153,7 @@ class HttpExchangeProtocol(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self.task: asyncio.Task[None] | None = None
         self.exchange: HttpExchange | None = None
+        self.request_id = "req_" + secrets.token_hex(12)
 
     # ---- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -254,7 +256,9 @@ class HttpExchangeProtocol(asyncio.Protocol):
 
     async def _serve(self) -> None:
         try:
-            body = openai.parse_body(bytes(self.body), max_input_chars=self.server.config.limits.max_utterance_chars)
+            lim = self.server.config.limits
+            body = openai.parse_body(bytes(self.body),
+                                     max_input_chars=min(lim.max_utterance_chars, lim.openai_max_input_chars))
         except openai.ApiError as err:
             self._respond_now(err)
             return
@@ -277,7 +281,7 @@ class HttpExchangeProtocol(asyncio.Protocol):
 
     def send_head(self, status: int, headers: tuple[tuple[str, str], ...], length: int | None = None) -> None:
         hdrs = [("Date", _date()), ("Server", "voicegw"), ("Connection", "close"),
-                ("X-Content-Type-Options", "nosniff"), *headers]
+                ("X-Content-Type-Options", "nosniff"), ("x-request-id", self.request_id), *headers]
         if length is not None:
             hdrs.append(("Content-Length", str(length)))
         reason = http.HTTPStatus(status).phrase.encode() if status in http.HTTPStatus._value2member_map_ else b""
