@@ -3,6 +3,8 @@
 * OpenAI ``POST /v1/audio/speech`` (``openai.py``, served by ``front.py``);
 * ElevenLabs ``/v1/text-to-speech/{voice_id}/stream-input`` WebSocket (``elevenlabs.py``);
 * Deepgram ``/v1/speak`` WebSocket (``deepgram.py``);
+* ElevenLabs ``POST /v1/text-to-speech/{voice_id}[/stream]`` and Deepgram ``POST /v1/speak``
+  (``http_audio.py``, served by ``front.py``);
 * ``GET /v1/models``, ``/v1/voices``, ``/v1/audio/voices`` (``listings.py``).
 
 Every response carries ``x-request-id`` (clients log it; LiveKit warns without it).

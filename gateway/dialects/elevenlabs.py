@@ -157,7 +157,7 @@ class ElevenLabsTranslator:
                 return Step(to_client=[error_frame("auth_error", "invalid or missing API key")],
                             close=(1008, "invalid api key"))
             self.authenticated = True
-            problem = _check_voice_settings(msg.get("voice_settings"))
+            problem = check_voice_settings(msg.get("voice_settings"))
             if problem:
                 return Step(to_client=[error_frame("invalid_voice_settings", problem)], close=(1008, problem))
             if msg["text"] != "" and not msg["text"].strip():
@@ -218,7 +218,7 @@ def _first_message_key(msg: dict[str, Any]) -> str:
     return ""
 
 
-def _check_voice_settings(vs: Any) -> str | None:
+def check_voice_settings(vs: Any) -> str | None:
     """voice_settings are accepted and ignored, except a speed other than 1.0 (not supported)."""
     if vs is None:
         return None

@@ -1,4 +1,5 @@
-"""HTTP requests with a body on the gateway's port: ``POST /v1/audio/speech`` (OpenAI dialect).
+"""HTTP requests with a body on the gateway's port: ``POST /v1/audio/speech`` (OpenAI),
+``POST /v1/text-to-speech/{voice_id}[/stream]`` (ElevenLabs), ``POST /v1/speak`` (Deepgram REST).
 
 websockets' HTTP layer reads only GET requests without a body, and answers with one complete
 response (``process_request``): it can neither read a JSON body nor stream audio back. So the
@@ -11,7 +12,8 @@ encoding.
 
 A speech request runs as a session of the gateway (``server._handler``), like a WebSocket client:
 ``HttpExchange`` is the duck-typed connection ``server._Connection`` drives, and
-``openai.SpeechResponder`` turns the session's audio into the response body.
+``openai.SpeechResponder`` / ``http_audio.AudioResponder`` turn the session's audio into the
+response body. Refusals come in the vendor's error shape (the path says which vendor).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.protocol import State
 
 from gateway import protocol as P
-from gateway.dialects import openai
+from gateway.dialects import deepgram, http_audio, openai
 from gateway.dialects.base import token_matches
 from gateway.dialects.socket import Inbox
 
@@ -154,6 +156,7 @@ class HttpExchangeProtocol(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
         self.exchange: HttpExchange | None = None
         self.request_id = "req_" + secrets.token_hex(12)
+        self.vendor: str | None = None
 
     # ---- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -219,50 +222,77 @@ class HttpExchangeProtocol(asyncio.Protocol):
             elif isinstance(event, h11.ConnectionClosed):
                 return
 
-    def _check_head(self, req: h11.Request) -> openai.ApiError | _Plain | None:
+    def _check_head(self, req: h11.Request) -> _Refusal | None:
         target = req.target.decode("ascii", "replace")
         parts = urlsplit(target)
         method = req.method.decode("ascii", "replace")
-        if parts.path != openai.PATH:
+        self.vendor = _vendor_of(parts.path)
+        if self.vendor is None:
             if parts.path.startswith("/v1/"):
                 return openai.ApiError(404, f"Invalid URL ({method} {parts.path})")
             return _Plain(405, "method not allowed", (("Allow", "GET"),))
         if method != "POST":
-            return openai.ApiError(405, f"Method {method} is not allowed on {openai.PATH}; use POST.",
-                                   headers=(("Allow", "POST"),))
+            return self._error(405, "method_not_allowed", f"Method {method} is not allowed on {parts.path}; use POST.",
+                               (("Allow", "POST"),))
         length = _header(req, b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             return _too_large(self.max_body_bytes)
         if self.server.draining:
             self.server.metrics.rejected.labels("shutdown").inc()
-            return openai.ApiError(503, "server is shutting down", "server_error", None, "shutting_down",
-                                   (("Retry-After", "5"),))
+            return self._error(503, "shutting_down", "server is shutting down", (("Retry-After", "5"),))
         tokens = self.server.config.gateway.auth_tokens
         if tokens:
             candidates = parse_qs(parts.query).get("token", [])
             auth = _header(req, b"authorization") or ""
-            if auth[:7].lower() == "bearer ":
-                candidates.append(auth[7:].strip())
+            scheme, _, value = auth.partition(" ")
+            if scheme.lower() in ("bearer", "token") and value.strip():
+                candidates.append(value.strip())
+            xi = _header(req, b"xi-api-key")
+            if xi:
+                candidates.append(xi)
             if not token_matches(candidates, tokens):
                 self.server.metrics.rejected.labels("auth").inc()
-                return openai.ApiError(401, "Incorrect API key provided.", "invalid_request_error", None,
-                                       "invalid_api_key", (("WWW-Authenticate", 'Bearer realm="voicegw"'),))
+                return self._error(401, "invalid_api_key", "Incorrect API key provided.",
+                                   (("WWW-Authenticate", 'Bearer realm="voicegw"'),))
         return None
+
+    def _error(self, status: int, code: str, message: str, headers: tuple[tuple[str, str], ...] = ()) -> _Refusal:
+        """A refusal in the shape of the vendor whose path this is."""
+        if self.vendor == "elevenlabs":
+            return http_audio.ElevenLabsError(status, code, message, headers)
+        if self.vendor == "deepgram":
+            dg_code = {401: "INVALID_AUTH", 405: "METHOD_NOT_ALLOWED", 503: "SERVICE_UNAVAILABLE"}.get(status, code)
+            return http_audio.DeepgramError(status, dg_code, message, headers, request_id=self.request_id)
+        type_ = "server_error" if status >= 500 else "invalid_request_error"
+        return openai.ApiError(status, message, type_, None, code, headers)
 
     def _request_timeout(self) -> None:
         self._timer = None
         if self.task is None and not self.lost:
-            self._respond_now(openai.ApiError(408, "request not received in time", code="request_timeout"))
+            self._respond_now(self._error(408, "request_timeout", "request not received in time"))
 
     async def _serve(self) -> None:
+        lim = self.server.config.limits
+        assert self.request is not None
+        parts = urlsplit(self.request.target.decode("ascii", "replace"))
+        responder: Responder
         try:
-            lim = self.server.config.limits
-            body = openai.parse_body(bytes(self.body),
-                                     max_input_chars=min(lim.max_utterance_chars, lim.openai_max_input_chars))
-        except openai.ApiError as err:
+            if self.vendor == "openai":
+                body = openai.parse_body(bytes(self.body),
+                                         max_input_chars=min(lim.max_utterance_chars, lim.openai_max_input_chars))
+                responder = openai.SpeechResponder(body)
+            elif self.vendor == "elevenlabs":
+                responder = http_audio.AudioResponder(http_audio.parse_elevenlabs(
+                    parts.path, parts.query, bytes(self.body), lim.max_utterance_chars))
+            else:
+                responder = http_audio.AudioResponder(http_audio.parse_deepgram(
+                    parts.query, bytes(self.body), lim.max_utterance_chars))
+        except (openai.ApiError, http_audio.VendorError) as err:
+            if isinstance(err, http_audio.DeepgramError):
+                err.request_id = self.request_id
             self._respond_now(err)
             return
-        exchange = self.exchange = HttpExchange(self, openai.SpeechResponder(body))
+        exchange = self.exchange = HttpExchange(self, responder)
         try:
             await self.server._handler(exchange)  # type: ignore[arg-type]
         except Exception:
@@ -299,13 +329,13 @@ class HttpExchangeProtocol(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    def _respond_now(self, err: openai.ApiError | _Plain) -> None:
+    def _respond_now(self, err: _Refusal) -> None:
         """A complete response outside a session (refusals), then close."""
         if self._timer is not None:
             self._timer.cancel()
         try:
             body = err.body()
-            ctype = "application/json" if isinstance(err, openai.ApiError) else "text/plain; charset=utf-8"
+            ctype = "text/plain; charset=utf-8" if isinstance(err, _Plain) else "application/json"
             self.send_head(err.status, (("Content-Type", ctype), *err.headers), len(body))
             self.send_body(body)
             self.end()
@@ -321,6 +351,20 @@ class _Plain:
 
     def body(self) -> bytes:
         return (self.text + "\n").encode()
+
+
+_Refusal = openai.ApiError | http_audio.VendorError | _Plain
+Responder = openai.SpeechResponder | http_audio.AudioResponder
+
+
+def _vendor_of(path: str) -> str | None:
+    if path == openai.PATH:
+        return "openai"
+    if path == deepgram.PATH:
+        return "deepgram"
+    if http_audio.ELEVENLABS_PATH_RE.match(path):
+        return "elevenlabs"
+    return None
 
 
 def _text_error(status: int, text: str) -> _Plain:
@@ -341,7 +385,7 @@ def _header(req: h11.Request, name: bytes) -> str | None:
 class HttpExchange:
     """Looks like a ``ServerConnection`` to ``server._Connection``; answers one speech request."""
 
-    def __init__(self, proto: HttpExchangeProtocol, responder: openai.SpeechResponder,
+    def __init__(self, proto: HttpExchangeProtocol, responder: Responder,
                  report_interval_s: float = 0.1) -> None:
         self.proto = proto
         self.responder = responder

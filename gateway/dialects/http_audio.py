@@ -1,0 +1,260 @@
+"""Audio over plain HTTP for the ElevenLabs and Deepgram dialects (pure): request parsing and a
+responder that turns one native session's audio into the response body as it comes.
+
+* ElevenLabs ``POST /v1/text-to-speech/{voice_id}`` and ``.../stream``: JSON body ``{"text",
+  "model_id"?, "voice_settings"?, "language_code"?, "seed"?, ...}``, query ``output_format``
+  (the WebSocket dialect's formats, default ``mp3_44100_128``); errors ``{"detail": {"status",
+  "message"}}``.
+* Deepgram ``POST /v1/speak``: JSON body ``{"text"}``, the WebSocket dialect's query parameters
+  (``model``, ``encoding``, ``sample_rate``) plus ``container`` (``none``, or ``wav`` for
+  linear16: Deepgram's REST default), default ``encoding=mp3`` as Deepgram's REST API; errors
+  ``{"err_code", "err_msg", "request_id"}``; ``dg-request-id``, ``dg-model-name``,
+  ``dg-char-count`` headers.
+
+Both endpoints stream: the head waits for the first audio (so a refusal is still a proper HTTP
+error), then the body is chunked as the engine produces. OpenAI's ``/v1/audio/speech`` is
+``openai.py`` (it has SSE and usage on top).
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Final
+from urllib.parse import parse_qs, unquote
+
+import orjson
+
+from gateway import protocol as P
+from gateway.dialects import deepgram, elevenlabs, voices
+from gateway.dialects.audio import Encoder, OutputFormat, mp3_available, wav_stream_header
+from gateway.dialects.openai import Abort, Body, End, Head, HttpOut
+
+ELEVENLABS_PATH_RE: Final = re.compile(r"^/v1/text-to-speech/([^/]{1,128})(/stream)?$")
+DEEPGRAM_MP3_KBPS: Final = 48
+"""Deepgram REST's mp3: 22.05 kHz at 48 kbit/s (its documented default bit rate)."""
+_CONTENT_TYPES: Final = {"pcm16": "audio/pcm", "mulaw": "audio/basic", "alaw": "audio/x-alaw-basic",
+                         "mp3": "audio/mpeg"}
+
+#: Native error codes -> HTTP status before any audio was sent.
+_STATUS: Final[dict[str, int]] = {
+    P.ErrorCode.TEXT_TOO_LONG.value: 400,
+    P.ErrorCode.RATE_LIMITED.value: 429,
+    P.ErrorCode.QUEUE_FULL.value: 429,
+    P.ErrorCode.SHUTTING_DOWN.value: 503,
+    P.ErrorCode.ENGINE_OVERLOADED.value: 503,
+    P.ErrorCode.ENGINE_ERROR.value: 500,
+    P.ErrorCode.ENGINE_UNAVAILABLE.value: 503,
+}
+
+
+class VendorError(Exception):
+    """An error response in one vendor's shape: ``status``, ``code``, ``message``, ``headers``."""
+
+    vendor = "elevenlabs"
+
+    def __init__(self, status: int, code: str, message: str, headers: tuple[tuple[str, str], ...] = (),
+                 request_id: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = headers + ((("Retry-After", "1"),) if status in (429, 503) else ())
+        self.request_id = request_id
+
+    def body(self) -> bytes:
+        if self.vendor == "deepgram":
+            return orjson.dumps({"err_code": self.code, "err_msg": self.message, "request_id": self.request_id})
+        return orjson.dumps({"detail": {"status": self.code, "message": self.message}})
+
+
+class ElevenLabsError(VendorError):
+    vendor = "elevenlabs"
+
+
+class DeepgramError(VendorError):
+    vendor = "deepgram"
+
+
+@dataclass(frozen=True)
+class AudioRequest:
+    """What to speak and how to send it back."""
+
+    text: str
+    speaker: voices.Speaker
+    fmt: OutputFormat
+    error: type[VendorError]
+    language: str | None = None
+    seed: int | None = None
+    wav: bool = False
+    """A streaming WAV header first (sizes ``0xFFFFFFFF``)."""
+    headers: tuple[tuple[str, str], ...] = ()
+    request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+
+
+def _body_json(raw: bytes, err: type[VendorError], max_chars: int) -> tuple[dict[str, Any], str]:
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise err(400, "invalid_json" if err is ElevenLabsError else "Bad Request", "the body is not valid JSON") \
+            from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+        raise err(400 if err is DeepgramError else 422, "invalid_request" if err is ElevenLabsError else "Bad Request",
+                  'the body must be a JSON object with a string "text"')
+    text = obj["text"]
+    if not text.strip():
+        raise err(400 if err is DeepgramError else 422, "invalid_request" if err is ElevenLabsError else "Bad Request",
+                  '"text" is empty')
+    if len(text) > max_chars:
+        raise err(400 if err is DeepgramError else 422,
+                  "text_too_long" if err is ElevenLabsError else "Bad Request",
+                  f'"text" is longer than {max_chars} characters')
+    return obj, text
+
+
+def parse_elevenlabs(path: str, query: str, raw: bytes, max_chars: int) -> AudioRequest:
+    """``POST /v1/text-to-speech/{voice_id}[/stream]``; raises ElevenLabsError."""
+    m = ELEVENLABS_PATH_RE.match(path)
+    if m is None:
+        raise ElevenLabsError(404, "not_found", f"{path} not found")
+    voice_id = unquote(m.group(1))
+    try:
+        speaker = voices.elevenlabs_voice(voice_id)
+    except voices.UnknownVoice:
+        raise ElevenLabsError(404, "voice_not_found", f"A voice with the voice_id {voice_id} was not found.") \
+            from None
+    q = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
+    fmt_name = q.get("output_format") or "mp3_44100_128"
+    served = {**elevenlabs.OUTPUT_FORMATS, **elevenlabs.MP3_FORMATS} if mp3_available() else elevenlabs.OUTPUT_FORMATS
+    fmt = served.get(fmt_name)
+    if fmt is None:
+        raise ElevenLabsError(400, "invalid_output_format", f"output_format {fmt_name} is not supported by this "
+                              f"server; use one of {', '.join(served)}")
+    obj, text = _body_json(raw, ElevenLabsError, max_chars)
+    problem = elevenlabs.check_voice_settings(obj.get("voice_settings"))
+    if problem:
+        raise ElevenLabsError(422, "invalid_voice_settings", problem)
+    seed = obj.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 4_294_967_295):
+        raise ElevenLabsError(422, "invalid_seed", "seed must be an integer in 0..4294967295")
+    language = obj.get("language_code")
+    if language is not None and (not isinstance(language, str) or not re.fullmatch(r"[A-Za-z0-9-]{1,16}", language)):
+        raise ElevenLabsError(422, "invalid_language_code", "language_code must be a language tag")
+    return AudioRequest(text, speaker, fmt, ElevenLabsError, language, None if seed is None else seed % 2**31)
+
+
+def parse_deepgram(query: str, raw: bytes, max_chars: int) -> AudioRequest:
+    """``POST /v1/speak``; raises DeepgramError."""
+    rid = str(uuid.uuid4())
+    q = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
+    for k in ("sample_rate", "bit_rate", "speed"):  # SDKs send floats: "24000.0"
+        if q.get(k, "").endswith(".0") and q[k][:-2].isdigit():
+            q[k] = q[k][:-2]
+    encoding = q.get("encoding") or "mp3"
+    container = q.get("container") or ("wav" if encoding == "linear16" else "none")
+    if container not in ("none", "wav") or container == "wav" and encoding != "linear16":
+        raise DeepgramError(400, "UNSUPPORTED_CONTAINER", f"container {container!r} is not supported for "
+                            f"{encoding}; use none (or wav with linear16)", request_id=rid)
+    if encoding == "mp3":
+        if not mp3_available():
+            raise DeepgramError(400, "UNSUPPORTED_ENCODING", "mp3 needs the lameenc package on this server; "
+                                "use encoding=linear16, mulaw or alaw", request_id=rid)
+        rest = "&".join(f"{k}={v}" for k, v in q.items() if k not in ("encoding", "sample_rate", "container"))
+        try:
+            opts = deepgram.parse_query(rest)
+        except deepgram.QueryError as exc:
+            raise DeepgramError(400, exc.err_code, exc.err_msg, request_id=rid) from None
+        fmt = OutputFormat("mp3", 22_050, DEEPGRAM_MP3_KBPS)
+    else:
+        rest = "&".join(f"{k}={v}" for k, v in q.items() if k != "container")
+        try:
+            opts = deepgram.parse_query(rest)
+        except deepgram.QueryError as exc:
+            raise DeepgramError(400, exc.err_code, exc.err_msg, request_id=rid) from None
+        fmt = opts.fmt
+    _, text = _body_json(raw, DeepgramError, max_chars)
+    headers = (("dg-request-id", rid), ("dg-model-name", opts.model), ("dg-model-uuid", f"voicegw-{opts.model}"),
+               ("dg-char-count", str(len(text))))
+    return AudioRequest(text, opts.speaker, fmt, DeepgramError, opts.language, wav=container == "wav",
+                        headers=headers, request_id=rid)
+
+
+class AudioResponder:
+    """One request over a native session: ``opening()`` messages, then audio as it comes."""
+
+    def __init__(self, req: AudioRequest) -> None:
+        self.req = req
+        self.encoder = Encoder(req.fmt)
+        self.head_sent = False
+        self.finished = False
+        self.samples = 0
+
+    def opening(self) -> list[dict[str, Any]]:
+        r = self.req
+        start: dict[str, Any] = {"type": P.ClientType.SESSION_START.value, "sample_rate": r.fmt.session_rate_hz,
+                                 "format": P.AudioFormat.PCM16.value}
+        if r.speaker is not None:
+            start["voice"] = r.speaker
+        if r.language:
+            start["language"] = r.language
+        if r.seed is not None:
+            start["options"] = {"seed": r.seed}
+        return [start, {"type": P.ClientType.TEXT_DELTA.value, "text": r.text}, {"type": P.ClientType.TEXT_END.value}]
+
+    def _head(self) -> list[HttpOut]:
+        if self.head_sent:
+            return []
+        self.head_sent = True
+        ctype = "audio/wav" if self.req.wav else _CONTENT_TYPES[self.req.fmt.encoding]
+        out: list[HttpOut] = [Head(200, (("Content-Type", ctype), *self.req.headers))]
+        if self.req.wav:
+            out.append(Body(wav_stream_header(self.req.fmt.rate_hz)))
+        return out
+
+    def on_server_audio(self, header: P.AudioFrameHeader, pcm16: bytes) -> list[HttpOut]:
+        if self.finished or not pcm16:
+            return []
+        self.samples += len(pcm16) // 2
+        out = self._head()
+        data = self.encoder.encode(pcm16)
+        if data:
+            out.append(Body(data))
+        return out
+
+    def on_server_message(self, msg: dict[str, Any]) -> list[HttpOut]:
+        if self.finished:
+            return []
+        mtype = msg.get("type")
+        if mtype == P.ServerType.UTTERANCE_DONE.value:
+            if msg.get("status") != P.UtteranceStatus.OK.value:
+                return self._fail_code(str(msg.get("error", "engine_error")))
+            out = self._head()
+            tail = self.encoder.flush()
+            if tail:
+                out.append(Body(tail))
+            self.finished = True
+            out.append(End())
+            return out
+        if mtype == P.ServerType.ERROR.value and (msg.get("fatal") or "utterance_id" not in msg):
+            return self._fail_code(str(msg.get("code", "internal_error")))
+        return []
+
+    def on_server_close(self, code: int, reason: str) -> list[HttpOut]:
+        if self.finished:
+            return []
+        status = 503 if code in (int(P.CloseCode.SERVICE_RESTART), int(P.CloseCode.TRY_AGAIN_LATER)) else 500
+        return self._fail(self.req.error(status, "service_unavailable" if status == 503 else "internal_error",
+                                         reason or "the request was stopped", request_id=self.req.request_id))
+
+    def _fail_code(self, code: str) -> list[HttpOut]:
+        known = {c.value: c for c in P.ErrorCode}
+        message = P.ERROR_MESSAGES[known[code]] if code in known else "internal error"
+        return self._fail(self.req.error(_STATUS.get(code, 500), code, message, request_id=self.req.request_id))
+
+    def _fail(self, err: VendorError) -> list[HttpOut]:
+        self.finished = True
+        if not self.head_sent:
+            self.head_sent = True
+            return [Head(err.status, (("Content-Type", "application/json"), *err.headers)), Body(err.body()), End()]
+        return [Abort()]

@@ -1,0 +1,117 @@
+"""ElevenLabs HTTP (``POST /v1/text-to-speech/{voice_id}`` and ``/stream``) and Deepgram REST
+(``POST /v1/speak``), driven by the official ``elevenlabs`` and ``deepgram-sdk`` packages with only
+the base URL and key changed; errors in each vendor's shape."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from deepgram import AsyncDeepgramClient, DeepgramClientEnvironment
+
+from gateway.dialects.audio import mp3_available
+from gateway.dialects.voices import DEEPGRAM, ELEVENLABS
+from tests.dialects.conftest import CountingEngine
+from tests.dialects.mp3 import mp3_duration
+from tests.gateway.conftest import GatewayFactory, wait_until
+from tests.gateway.fakes import FakeSpeechEngine
+
+RACHEL = "21m00Tcm4TlvDq8ikWAM"
+TEXT = "Hello there, this is the gateway speaking over plain HTTP. It streams as it is made."
+
+
+def _dg(server: Any, key: str = "dg-test") -> AsyncDeepgramClient:
+    env = DeepgramClientEnvironment(base=server.url, production="ws" + server.url[4:],
+                                    agent="ws" + server.url[4:], agent_rest=server.url)
+    return AsyncDeepgramClient(api_key=key, environment=env)
+
+
+@pytest.mark.parametrize("method", ["convert", "stream"])
+async def test_elevenlabs_sdk_convert_and_stream(counting_engine: CountingEngine, make_gateway: GatewayFactory,
+                                                 method: str) -> None:
+    from elevenlabs.client import ElevenLabs
+
+    async with make_gateway(counting_engine) as server:
+        client = ElevenLabs(api_key="xi-test", base_url=server.url)
+
+        def run() -> bytes:
+            fn = getattr(client.text_to_speech, method)
+            return b"".join(fn(voice_id=RACHEL, text=TEXT, model_id="eleven_flash_v2_5", output_format="pcm_16000"))
+
+        audio = await asyncio.wait_for(asyncio.to_thread(run), 60)
+        assert len(audio) == 2 * counting_engine.total_samples > 0
+        assert counting_engine.rates == {16_000}
+        assert {r.speaker for r in counting_engine.requests} == {ELEVENLABS[RACHEL][1]}
+        if isinstance(counting_engine.inner, FakeSpeechEngine):
+            assert counting_engine.total_samples == sum(
+                counting_engine.inner.expected_samples(r.text, 16_000) for r in counting_engine.requests)
+        assert await wait_until(lambda: counting_engine.health().running_requests == 0)
+
+
+async def test_elevenlabs_http_default_mp3_and_errors(fake_engine: FakeSpeechEngine,
+                                                      make_gateway: GatewayFactory) -> None:
+    from elevenlabs.client import ElevenLabs
+    from elevenlabs.core.api_error import ApiError
+
+    async with make_gateway(fake_engine, gateway={"auth_tokens": ("xi-s3cret",)}) as server:
+        client = ElevenLabs(api_key="xi-s3cret", base_url=server.url)
+        if mp3_available():
+            mp3 = await asyncio.to_thread(lambda: b"".join(client.text_to_speech.convert(voice_id=RACHEL, text=TEXT)))
+            frames, samples, rate = mp3_duration(mp3)
+            assert frames > 0 and rate == 44_100
+        reached = len(fake_engine.requests)
+        cases = [({"voice_id": "nobody", "text": TEXT}, 404, "voice_not_found"),
+                 ({"voice_id": RACHEL, "text": TEXT, "output_format": "opus_48000_64"}, 400, "invalid_output_format"),
+                 ({"voice_id": RACHEL, "text": TEXT, "voice_settings": {"speed": 1.5}}, 422, "invalid_voice_settings")]
+        for kwargs, status, code in cases:
+            with pytest.raises(ApiError) as exc:
+                await asyncio.to_thread(lambda kw=kwargs: b"".join(client.text_to_speech.convert(**kw)))  # type: ignore[misc]
+            assert exc.value.status_code == status and exc.value.body["detail"]["status"] == code, exc.value.body
+        wrong = ElevenLabs(api_key="nope", base_url=server.url)
+        with pytest.raises(ApiError) as exc:
+            await asyncio.to_thread(lambda: b"".join(wrong.text_to_speech.convert(voice_id=RACHEL, text=TEXT)))
+        assert exc.value.status_code == 401 and exc.value.body["detail"]["status"] == "invalid_api_key"
+        assert len(fake_engine.requests) == reached  # refusals never reach the engine
+
+
+@pytest.mark.parametrize("kwargs,rate,wav", [({"encoding": "linear16", "sample_rate": 24000}, 24_000, True),
+                                             ({"encoding": "linear16", "sample_rate": 16000, "container": "none"},
+                                              16_000, False),
+                                             ({"encoding": "mulaw", "sample_rate": 8000}, 8_000, False)])
+async def test_deepgram_sdk_rest_generate(counting_engine: CountingEngine, make_gateway: GatewayFactory,
+                                          kwargs: dict[str, Any], rate: int, wav: bool) -> None:
+    async with make_gateway(counting_engine) as server:
+        chunks = [c async for c in _dg(server).speak.v1.audio.generate(text=TEXT, model="aura-2-thalia-en", **kwargs)]
+        audio = b"".join(chunks)
+        header = 44 if wav else 0
+        if wav:
+            assert audio[:4] == b"RIFF" and audio[8:12] == b"WAVE"
+        per_sample = 1 if kwargs["encoding"] == "mulaw" else 2
+        assert len(audio) - header == per_sample * counting_engine.total_samples > 0
+        assert {r.speaker for r in counting_engine.requests} == {DEEPGRAM["aura-2-thalia-en"]}
+        assert counting_engine.rates == {rate if rate != 8_000 else 8_000}
+
+
+async def test_deepgram_rest_default_mp3_headers_and_errors(fake_engine: FakeSpeechEngine,
+                                                            make_gateway: GatewayFactory) -> None:
+    from deepgram.core.api_error import ApiError
+
+    async with make_gateway(fake_engine, gateway={"auth_tokens": ("dg-s3cret",)}) as server:
+        client = _dg(server, "dg-s3cret")
+        if mp3_available():
+            raw = client.speak.v1.audio.with_raw_response.generate(text=TEXT)
+            async with raw as resp:
+                assert resp.headers["dg-model-name"] == "aura-asteria-en" and resp.headers["dg-request-id"]
+                assert resp.headers["dg-char-count"] == str(len(TEXT))
+                mp3 = b"".join([c async for c in resp.data])
+            frames, _, rate = mp3_duration(mp3)
+            assert frames > 0 and rate == 22_050
+        with pytest.raises(ApiError) as exc:
+            _ = [c async for c in client.speak.v1.audio.generate(text=TEXT, model="aura-nobody-en",
+                                                                 encoding="linear16")]
+        assert exc.value.status_code == 400 and exc.value.body["err_code"] == "INVALID_QUERY_PARAMETER"
+        assert exc.value.body["request_id"]
+        with pytest.raises(ApiError) as exc:
+            _ = [c async for c in _dg(server, "wrong").speak.v1.audio.generate(text=TEXT, encoding="linear16")]
+        assert exc.value.status_code == 401 and exc.value.body["err_code"] == "INVALID_AUTH"
