@@ -331,3 +331,54 @@ def test_retry_policy() -> None:
     for bad in ({"overload_attempts": 0}, {"jitter": 1.0}, {"reconnect_timeout_s": 0}, {"reconnect_max_ms": -1}):
         with pytest.raises(ValueError):
             RetryPolicy(**bad)  # type: ignore[arg-type]
+
+
+async def test_text_streamed_during_an_outage_is_sent_after_the_reconnect() -> None:
+    """The gateway drops every connection (no close frame) while the application is still
+    streaming tokens, and comes back on the same port: the client reconnects, re-sends the
+    unfinished utterance from its first segment not received whole, then the tokens produced
+    meanwhile, and the utterance ends with every word spoken once."""
+    from clients.python import ClientEvent, RetryPolicy
+    from tests.gateway.fakes import FakeSpeechEngine
+
+    eng = FakeSpeechEngine()
+    server = await _start(eng)
+    port = server.port
+    words = ("Here we go, one step at a time. First comes the opening part of the answer. "
+             "Then the middle part follows it. And finally the end arrives, right here.").split()
+    outage = asyncio.Event()
+    back = asyncio.Event()
+    sent_during_outage: list[str] = []
+
+    async def tokens() -> AsyncIterator[str]:
+        for i, w in enumerate(words):
+            if i == 12:
+                outage.set()
+            if outage.is_set() and not back.is_set():
+                sent_during_outage.append(w)
+            yield w + " "
+            await asyncio.sleep(0.03)
+
+    events: list[ClientEvent] = []
+    policy = RetryPolicy(reconnect_initial_ms=50, reconnect_max_ms=200, reconnect_timeout_s=20)
+    server2: GatewayServer | None = None
+    try:
+        async with Client(server.ws_url, playback="instant", retry=policy, on_event=events.append) as c:
+            u = c.speak(tokens())
+            await asyncio.wait_for(outage.wait(), 10)
+            for conn in list(server.connections):
+                conn.ws.transport.abort()  # a crash, as the client sees it: no close frame
+            await server.shutdown(grace_s=0)
+            await asyncio.sleep(0.3)  # the application keeps streaming meanwhile
+            server2 = await _start(eng, port=port)
+            back.set()
+            pcm = await asyncio.wait_for(u.collect(), 30)
+        assert sent_during_outage, "no token was produced during the outage"
+        assert u.stats.status == "ok" and u.stats.resumes == 1 and len(pcm) > 0, u.stats
+        assert [e.type for e in events][:1] == ["disconnected"] and "resumed" in [e.type for e in events]
+        whole = [p for p in u.stats.plays if p.complete]
+        assert [p.segment for p in whole] == sorted({p.segment for p in whole})  # each once, in order
+        assert " ".join(p.text for p in whole).split() == words
+    finally:
+        if server2 is not None:
+            await server2.shutdown(grace_s=0.5)
