@@ -87,6 +87,14 @@ class FlowControl:
         self._virtual_t = now_s
         return est
 
+    def discard_ahead(self, now_s: float, samples: int) -> None:
+        """The client drops ``samples`` it has not played yet at the end of what it holds (one
+        utterance stopped while an earlier one still plays): they count as consumed."""
+        self._advance(now_s)
+        n = max(0, min(samples, self.sent - self.consumed(now_s)))
+        self.discarded += n
+        self._virtual = min(float(self.sent), self._virtual + n)
+
     # ---- queries ------------------------------------------------------------------------
 
     @property

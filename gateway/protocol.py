@@ -320,6 +320,8 @@ SCHEMAS: Final[dict[ClientType, tuple[FieldSpec, ...]]] = {
         _ID,
         FieldSpec("played_samples", Kind.INT, min=0, max=_U53,
                   doc="client's played-sample counter at the moment it stopped playback"),
+        FieldSpec("utterance_id", Kind.INT, min=1, max=_U53,
+                  doc="stop only this utterance (queued, or the one playing); the others go on"),
     ),
     ClientType.PLAYBACK: (
         _ID,

@@ -638,6 +638,9 @@ class Session:
         out.append(SendMessage(reply))
 
     def _on_cancel(self, now_s: float, msg: P.ClientMessage, out: list[Action]) -> None:
+        if msg.fields.get("utterance_id") is not None:
+            self._cancel_one(now_s, int(msg.fields["utterance_id"]), msg, out)
+            return
         flow = self._flow
         given = msg.fields.get("played_samples")
         client_played = flow.client_played(now_s) if given is None else int(given)
@@ -683,6 +686,45 @@ class Session:
         if self._utterances:
             self.log.info("cancelled utterances %s", reply["cancelled_utterances"])
         self._utterances.clear()
+        out.append(SendMessage(reply))
+
+    def _cancel_one(self, now_s: float, uid: int, msg: P.ClientMessage, out: list[Action]) -> None:
+        """``cancel {utterance_id}``: stop that utterance only (its audio not yet played is
+        dropped, its engine work aborted); the utterances after it go on."""
+        flow = self._flow
+        utt = next((u for u in self._utterances if u.id == uid), None)
+        reply: dict[str, Any] = {"type": P.ServerType.CANCELLED.value, "utterance_id": None, "generated_ms": 0.0,
+                                 "sent_ms": 0.0, "played_ms": 0.0, "heard_text": "", "cancelled_utterances": []}
+        if msg.id is not None:
+            reply["id"] = msg.id
+        if utt is None:
+            out.append(SendMessage(reply))  # finished or unknown: nothing to stop
+            return
+        given = msg.fields.get("played_samples")
+        client_played = flow.client_played(now_s) if given is None else int(given)
+        client_played = max(0, min(client_played, flow.sent - flow.discarded))
+        pos = client_played + flow.discarded
+        played = 0
+        if utt.session_start is not None:
+            played = max(0, min(pos - utt.session_start, utt.sent))
+            if pos >= utt.session_start:
+                flow.on_cancel(now_s, client_played)  # the playhead is in it: all sent past it is its
+            else:
+                flow.discard_ahead(now_s, utt.sent)  # an earlier utterance still plays
+        reply.update(utterance_id=utt.id, generated_ms=self._ms(utt.generated), sent_ms=self._ms(utt.sent),
+                     played_ms=self._ms(played), cancelled_utterances=[utt.id],
+                     heard_text=self._heard_text(utt, pos - int(self._output_latency_ms * self.rate_hz / 1000.0)))
+        dropped = max(0, utt.sent - played)
+        for s in [s for s in self._streams if s.utt is utt]:
+            dropped += s.held_samples
+            out.append(AbortStream(s.request_id, s.generating))
+            self._streams.remove(s)
+            self._by_id.pop(s.request_id, None)
+        if dropped > 0:
+            self._obs.audio_dropped(dropped / self.rate_hz, "cancel")
+        self._obs.utterance_finished("cancelled")
+        self._utterances.remove(utt)
+        self.log.info("cancelled utterance %d", uid, extra={"utterance": uid})
         out.append(SendMessage(reply))
 
     # ================================================================ the pipeline

@@ -218,6 +218,36 @@ def test_cancel_aborts_drops_and_accounts():
     assert h.s.flow.ahead(h.now) == 0
 
 
+def test_cancel_of_one_utterance_leaves_the_others():
+    h = Harness(limits={"flow_window_ms": 10_000})
+    h.start()
+    (a,) = starts(h.msg({"type": "text.delta", "text": "First answer, "}))
+    h.msg({"type": "text.end"})
+    h.audio(a.request.request_id, 300)  # utterance 1 is playing
+    h.msg({"type": "text.delta", "text": "Second answer here. "})
+    h.msg({"type": "text.end"})
+    h.msg({"type": "text.delta", "text": "Third answer here. "})
+    h.msg({"type": "text.end"})
+    # a queued one goes without touching the one playing
+    acts = h.msg({"type": "cancel", "utterance_id": 2})
+    started = starts(acts)
+    (c,) = messages(acts, "cancelled")
+    assert c["utterance_id"] == 2 and c["cancelled_utterances"] == [2] and c["sent_ms"] == 0.0
+    assert not [x for x in acts if isinstance(x, AbortStream) and x.request_id == a.request.request_id]
+    # the one playing: its engine work stops, the third one starts
+    acts = h.msg({"type": "cancel", "utterance_id": 1, "played_samples": 100 * MS})
+    (c,) = messages(acts, "cancelled")
+    assert c["utterance_id"] == 1 and c["played_ms"] == 100.0 and c["cancelled_utterances"] == [1]
+    assert AbortStream(a.request.request_id, True) in acts
+    (third,) = started + starts(acts)  # it takes the place freed in the pipeline
+    assert third.request.text == "Third answer here." and third.request.request_id.startswith("S-3-")
+    assert h.s.flow.ahead(h.now) == 0
+    # an unknown or finished one: nothing stops
+    (c,) = messages(h.msg({"type": "cancel", "utterance_id": 9}), "cancelled")
+    assert c["utterance_id"] is None and c["cancelled_utterances"] == []
+    assert h.s.busy
+
+
 def test_cancel_with_nothing_playing():
     h = Harness()
     h.start()
