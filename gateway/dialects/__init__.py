@@ -1,7 +1,8 @@
 """The ecosystem's TTS dialects on the gateway's port, as thin adapters onto protocol v1.
 
 * OpenAI ``POST /v1/audio/speech`` (``openai.py``, served by ``front.py``);
-* ElevenLabs ``/v1/text-to-speech/{voice_id}/stream-input`` WebSocket (``elevenlabs.py``);
+* ElevenLabs ``/v1/text-to-speech/{voice_id}/stream-input`` and ``multi-stream-input`` WebSockets
+  (``elevenlabs.py``);
 * Deepgram ``/v1/speak`` WebSocket (``deepgram.py``);
 * ElevenLabs ``POST /v1/text-to-speech/{voice_id}[/stream]`` and Deepgram ``POST /v1/speak``
   (``http_audio.py``, served by ``front.py``);
@@ -190,6 +191,7 @@ def adapt(server: GatewayServer, ws: ServerConnection) -> ServerConnection:
         # without a key at the handshake, the key must come in a first message within the opening
         # deadline (else close 1008): a key-less connection must not hold a session seat
         auth_timeout_s = server.config.gateway.open_timeout_s if check is not None else None
-        return cast(ServerConnection, DialectSocket(ws, elevenlabs.ElevenLabsTranslator(options, check),
-                                                    auth_timeout_s=auth_timeout_s))
+        translator: Any = (elevenlabs.ElevenLabsMultiTranslator(options, check) if options.multi
+                           else elevenlabs.ElevenLabsTranslator(options, check))
+        return cast(ServerConnection, DialectSocket(ws, translator, auth_timeout_s=auth_timeout_s))
     return ws

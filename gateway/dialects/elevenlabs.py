@@ -26,7 +26,9 @@ from gateway.dialects import voices
 from gateway.dialects.audio import Encoder, OutputFormat, mp3_available
 from gateway.dialects.base import Step, Turns
 
-PATH_RE: Final = re.compile(r"^/v1/text-to-speech/([^/]{1,128})/stream-input$")
+PATH_RE: Final = re.compile(r"^/v1/text-to-speech/([^/]{1,128})/(stream-input|multi-stream-input)$")
+MAX_CONTEXTS: Final = 5
+"""Contexts open at once on one multi-context socket (a context is open until its ``isFinal``)."""
 #: output_format values served (ElevenLabs names).
 OUTPUT_FORMATS: Final[dict[str, OutputFormat]] = {
     "pcm_8000": OutputFormat("pcm16", 8_000),
@@ -65,6 +67,8 @@ class Options:
     fmt: OutputFormat
     language: str | None
     seed: int | None
+    multi: bool = False
+    """``multi-stream-input``: several contexts on the socket (``ElevenLabsMultiTranslator``)."""
 
 
 def parse_request(path: str, query: str) -> Options:
@@ -96,7 +100,7 @@ def parse_request(path: str, query: str) -> Options:
     language = q.get("language_code") or None
     if language is not None and (len(language) > 16 or not re.fullmatch(r"[A-Za-z0-9-]+", language)):
         raise HandshakeError(400, "invalid_language_code", "language_code must be a language tag")
-    return Options(voice_id, speaker, fmt, language, seed)
+    return Options(voice_id, speaker, fmt, language, seed, m.group(2) == "multi-stream-input")
 
 
 def _json(obj: dict[str, Any]) -> str:
@@ -228,3 +232,225 @@ def check_voice_settings(vs: Any) -> str | None:
     if speed is not None and (not isinstance(speed, (int, float)) or not math.isclose(float(speed), 1.0)):
         return "voice_settings.speed other than 1.0 is not supported by this server"
     return None
+
+
+# ---- multi-context (``multi-stream-input``) ----------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Context:
+    cid: str
+    n: int
+    """Its serial number on the socket (message ids: a ``context_id`` may be too long for one)."""
+    encoder: Encoder
+    uid: int | None = None
+    """The native utterance carrying its text (utterance ids count utterances opened, from 1)."""
+    ended: bool = False
+    """``text.end`` sent (its text is complete)."""
+    done: bool = False
+    """Its native utterance is over (all its audio sent), or it never had one."""
+    flushed: bool = False
+    closing: bool = False
+    """The client closed it (``close_context``)."""
+    barged: bool = False
+    """Closed before its text was complete: its audio is dropped, its engine work stopped."""
+    final: bool = False
+
+
+class ElevenLabsMultiTranslator:
+    """One ``multi-stream-input`` connection: every context is an utterance of the one native
+    session (spoken one after another, in the order their text came).
+
+    * ``{"text": " ", "context_id", "voice_settings"?}`` opens a context; text goes to its
+      utterance (``text.delta``; text for another context first ends the open one);
+      ``flush: true`` -> ``text.flush``; ``{"text": "", ...}`` is a keep-alive (nothing).
+    * ``close_context`` after a ``flush`` (the end of a turn, as Pipecat and LiveKit send it):
+      ``text.end``, and ``{"isFinal": true, "contextId"}`` once its audio is all sent. Otherwise
+      (an interruption, or a second ``close_context``): a barge-in of that context only (native
+      ``cancel {utterance_id}``), its audio still queued dropped, ``isFinal`` right after.
+    * ``close_socket``: the connection closes (1000); the session's work stops.
+    * Audio: ``{"audio", "isFinal": false, "contextId", "alignment": null, "normalizedAlignment":
+      null}``; errors ``{"error", "message", "contextId"}``.
+    """
+
+    def __init__(self, options: Options, check_key: Callable[[str], bool] | None = None) -> None:
+        self.options = options
+        self.check_key = check_key
+        self.authenticated = check_key is None
+        self.contexts: dict[str, _Context] = {}
+        self.by_uid: dict[int, _Context] = {}
+        self.open: _Context | None = None
+        """The context whose utterance takes text now."""
+        self.uids = 0
+        self.serial = 0
+        self.by_n: dict[int, _Context] = {}
+        self.initialized = False
+
+    def opening(self) -> Step:
+        return ElevenLabsTranslator(self.options).opening()
+
+    def on_auth_timeout(self) -> Step:
+        return Step(to_client=[error_frame("auth_error", "no API key received in time")], close=(1008, "no api key"))
+
+    def _error(self, error: str, message: str, cid: str | None) -> str:
+        obj: dict[str, Any] = {"error": error, "message": message}
+        if cid is not None:
+            obj["contextId"] = cid
+        return _json(obj)
+
+    # ---- client -> session ------------------------------------------------------------------
+
+    def on_client(self, data: str | bytes) -> Step:
+        if isinstance(data, bytes):
+            return Step(to_client=[self._error("invalid_message", "binary messages are not accepted", None)])
+        try:
+            msg = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return Step(to_client=[self._error("invalid_message", "message is not valid JSON", None)])
+        if not isinstance(msg, dict):
+            return Step(to_client=[self._error("invalid_message", "every message is a JSON object", None)])
+        if not self.initialized:
+            self.initialized = True
+            if self.check_key is not None and not self.check_key(_first_message_key(msg)):
+                return Step(to_client=[self._error("auth_error", "invalid or missing API key", None)],
+                            close=(1008, "invalid api key"))
+            self.authenticated = True
+        if msg.get("close_socket") is True:
+            return Step(close=(1000, ""))
+        cid = msg.get("context_id", msg.get("contextId", "default"))
+        if not isinstance(cid, str) or not cid or len(cid) > 256:
+            return Step(to_client=[self._error("invalid_message", "context_id must be a non-empty string", None)])
+        problem = check_voice_settings(msg.get("voice_settings"))
+        if problem:
+            return Step(to_client=[self._error("invalid_voice_settings", problem, cid)])
+        ctx = self.contexts.get(cid)
+        if msg.get("close_context") is True:
+            return self._close(ctx) if ctx is not None else Step()
+        text = msg.get("text")
+        if text is not None and not isinstance(text, str):
+            return Step(to_client=[self._error("invalid_message", '"text" must be a string', cid)])
+        if ctx is None:
+            if sum(1 for c in self.contexts.values() if not c.final) >= MAX_CONTEXTS:
+                return Step(to_client=[self._error("max_active_conversations", f"at most {MAX_CONTEXTS} contexts "
+                                                   "may be open on one connection; close one first", cid)])
+            self.serial += 1
+            ctx = self.contexts[cid] = self.by_n[self.serial] = _Context(cid, self.serial, Encoder(self.options.fmt))
+        if ctx.closing:
+            return Step(to_client=[self._error("context_closed", "this context was closed", cid)])
+        step = Step()
+        if text and text.strip():
+            if ctx.ended:
+                return Step(to_client=[self._error("context_closed", "text after this context's end", cid)])
+            if self.open is not None and self.open is not ctx:
+                step.extend(self._end(self.open))  # text for another context ends the open one
+            if ctx.uid is None:
+                self.uids += 1
+                ctx.uid = self.uids
+                self.by_uid[ctx.uid] = ctx
+                step.to_session.append({"type": P.ClientType.TEXT_DELTA.value, "text": text, "id": f"open:{ctx.n}"})
+            else:
+                step.to_session.append({"type": P.ClientType.TEXT_DELTA.value, "text": text})
+            self.open = ctx
+            ctx.flushed = False
+        if msg.get("flush") is True:
+            ctx.flushed = True
+            if self.open is ctx:
+                step.to_session.append({"type": P.ClientType.TEXT_FLUSH.value})
+        return step
+
+    def _end(self, ctx: _Context) -> Step:
+        if self.open is ctx:
+            self.open = None
+        if ctx.ended:
+            return Step()
+        ctx.ended = True
+        if ctx.uid is None:
+            ctx.done = True
+            return Step()
+        return Step(to_session=[{"type": P.ClientType.TEXT_END.value}])
+
+    def _close(self, ctx: _Context) -> Step:
+        if ctx.final:
+            return Step()
+        if ctx.closing or not ctx.flushed:
+            return self._barge(ctx)
+        ctx.closing = True
+        step = self._end(ctx)
+        return step.extend(self._maybe_final(ctx))
+
+    def _barge(self, ctx: _Context) -> Step:
+        ctx.closing = ctx.barged = True
+        if self.open is ctx:
+            self.open = None
+        ctx.ended = True
+        if ctx.uid is None or ctx.done:
+            ctx.done = True
+            return self._maybe_final(ctx)
+        return Step(to_session=[{"type": P.ClientType.CANCEL.value, "utterance_id": ctx.uid, "id": f"close:{ctx.n}"}])
+
+    def _maybe_final(self, ctx: _Context) -> Step:
+        if ctx.final or not (ctx.closing and ctx.done):
+            return Step()
+        ctx.final = True
+        step = Step()
+        tail = b"" if ctx.barged else ctx.encoder.flush()
+        if tail:
+            step.to_client.append(self._audio(ctx.cid, tail))
+        step.to_client.append(_json({"isFinal": True, "contextId": ctx.cid}))
+        self.contexts.pop(ctx.cid, None)
+        self.by_n.pop(ctx.n, None)
+        if ctx.uid is not None:
+            self.by_uid.pop(ctx.uid, None)
+        return step
+
+    # ---- session -> client ------------------------------------------------------------------
+
+    def _audio(self, cid: str, data: bytes) -> str:
+        return _json({"audio": base64.b64encode(data).decode(), "isFinal": False, "contextId": cid,
+                      "normalizedAlignment": None, "alignment": None})
+
+    def on_server_audio(self, header: P.AudioFrameHeader, pcm16: bytes) -> Step:
+        n = len(pcm16) // 2
+        ctx = self.by_uid.get(header.utterance_id)
+        if ctx is None or ctx.barged:
+            return Step(delivered_samples=n)  # a context closed mid-way: dropped (flow credit all the same)
+        data = ctx.encoder.encode(pcm16)
+        return Step(to_client=[self._audio(ctx.cid, data)] if data else [], delivered_samples=n)
+
+    def on_server_message(self, msg: dict[str, Any]) -> Step:
+        mtype = msg.get("type")
+        step = Step()
+        if mtype == P.ServerType.UTTERANCE_DONE.value:
+            ctx = self.by_uid.get(int(msg.get("utterance_id", 0)))
+            if ctx is not None:
+                ctx.done = True
+                step.extend(self._maybe_final(ctx))
+        elif mtype == P.ServerType.CANCELLED.value:
+            mid = msg.get("id")
+            if isinstance(mid, str) and mid.startswith("close:") and mid[6:].isdigit():
+                ctx = self.by_n.get(int(mid[6:]))
+                if ctx is not None:
+                    ctx.done = True
+                    step.extend(self._maybe_final(ctx))
+        elif mtype == P.ServerType.ERROR.value:
+            mid = msg.get("id")
+            ctx = None
+            if isinstance(mid, str) and mid.startswith("open:") and mid[5:].isdigit():
+                ctx = self.by_n.get(int(mid[5:]))
+                if ctx is not None and ctx.uid == self.uids:  # its utterance never opened
+                    self.by_uid.pop(ctx.uid, None)
+                    self.uids -= 1
+                    ctx.uid = None
+                    ctx.done = ctx.ended
+            elif msg.get("utterance_id") is not None:
+                ctx = self.by_uid.get(int(msg["utterance_id"]))
+            step.to_client.append(self._error(str(msg.get("code", "error")), str(msg.get("message", "")),
+                                              ctx.cid if ctx is not None else None))
+            if msg.get("fatal"):
+                step.close = (1011, "")
+            if ctx is not None:
+                step.extend(self._maybe_final(ctx))
+        return step
+
+    def on_server_close(self, code: int, reason: str) -> Step:
+        return Step(close=(code, reason))

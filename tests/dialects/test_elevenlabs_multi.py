@@ -1,0 +1,119 @@
+"""ElevenLabs multi-context WebSocket (``/v1/text-to-speech/{voice_id}/multi-stream-input``), driven
+the way Pipecat's ``ElevenLabsTTSService`` and LiveKit's ``elevenlabs.TTS.stream()`` drive it
+(message for message, as their sources send them): a context per turn, ``flush`` then
+``close_context`` at the end of a turn, ``close_context`` alone to interrupt, keep-alives,
+``close_socket``."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any
+
+import orjson
+from websockets.asyncio.client import ClientConnection, connect
+
+from tests.dialects.conftest import CountingEngine
+from tests.gateway.conftest import GatewayFactory, wait_until
+from tests.gateway.fakes import FakeSpeechEngine
+
+RACHEL = "21m00Tcm4TlvDq8ikWAM"
+QUERY = "model_id=eleven_flash_v2_5&output_format=pcm_16000&auto_mode=true&inactivity_timeout=180&sync_alignment=true"
+
+
+def _url(server: Any) -> str:
+    return f"ws://127.0.0.1:{server.port}/v1/text-to-speech/{RACHEL}/multi-stream-input?{QUERY}"
+
+
+async def _send(ws: ClientConnection, **msg: Any) -> None:
+    await ws.send(orjson.dumps(msg).decode())
+
+
+async def _until_final(ws: ClientConnection, cid: str, got: dict[str, bytearray], within_s: float = 60) -> list[Any]:
+    """Receive until ``isFinal`` for ``cid``; audio goes to ``got[contextId]``."""
+    seen = []
+    async with asyncio.timeout(within_s):
+        while True:
+            msg = orjson.loads(await ws.recv())
+            seen.append(msg)
+            if msg.get("audio"):
+                got.setdefault(msg["contextId"], bytearray()).extend(base64.b64decode(msg["audio"]))
+            if msg.get("isFinal") is True and msg.get("contextId") == cid:
+                assert "audio" not in msg  # Pipecat ignores audio in a final message
+                return seen
+
+
+async def test_a_turn_per_context_as_pipecat_sends_it(counting_engine: CountingEngine,
+                                                      make_gateway: GatewayFactory) -> None:
+    async with make_gateway(counting_engine) as server, \
+            connect(_url(server), additional_headers={"xi-api-key": "xi-test"}) as ws:
+        got: dict[str, bytearray] = {}
+        await _send(ws, text=" ", context_id="turn-1")
+        for piece in ["Hello there, ", "this is the first turn. ", "It has two sentences."]:
+            await _send(ws, text=piece, context_id="turn-1")
+        await _send(ws, context_id="turn-1", flush=True)
+        await _send(ws, context_id="turn-1", close_context=True)
+        await _until_final(ws, "turn-1", got)
+        first = counting_engine.total_samples
+        assert len(got["turn-1"]) == 2 * first > 0
+        # the next turn on the same socket, LiveKit-style: init with voice_settings {}, text with
+        # a trailing space and flush, then an empty flushed text and close_context
+        await _send(ws, text=" ", voice_settings={}, context_id="turn-2")
+        await _send(ws, text="And this is the second turn. ", context_id="turn-2", flush=True)
+        await _send(ws, text="", context_id="turn-2", flush=True)
+        await _send(ws, context_id="turn-2", close_context=True)
+        await _until_final(ws, "turn-2", got)
+        assert len(got["turn-2"]) == 2 * (counting_engine.total_samples - first) > 0
+        assert counting_engine.rates == {16_000}
+        await _send(ws, close_socket=True)
+        await asyncio.wait_for(ws.wait_closed(), 10)
+        assert ws.close_code == 1000
+        assert await wait_until(lambda: counting_engine.health().running_requests == 0)
+
+
+async def test_close_context_alone_interrupts_that_context_only(make_gateway: GatewayFactory) -> None:
+    engine = FakeSpeechEngine(speed=1.0)  # real time: the long turn is still being generated
+    long = "This answer goes on and on, one sentence after another, for quite a while. " * 8
+    async with make_gateway(engine) as server, connect(_url(server)) as ws:
+        got: dict[str, bytearray] = {}
+        await _send(ws, text=" ", context_id="a")
+        await _send(ws, text=long, context_id="a")
+        async with asyncio.timeout(10):
+            while "a" not in got:
+                msg = orjson.loads(await ws.recv())
+                if msg.get("audio"):
+                    got.setdefault(msg["contextId"], bytearray()).extend(base64.b64decode(msg["audio"]))
+        await _send(ws, context_id="a", close_context=True)  # the user barged in
+        seen = await _until_final(ws, "a", got, within_s=5)
+        assert engine.aborted, "the interrupted context's engine work goes on"
+        # the next turn is spoken at once, not after the rest of the interrupted one
+        await _send(ws, text=" ", context_id="b")
+        await _send(ws, text="Sure, stopping now.", context_id="b")
+        await _send(ws, context_id="b", flush=True)
+        await _send(ws, context_id="b", close_context=True)
+        seen = await _until_final(ws, "b", got, within_s=10)
+        assert not [m for m in seen if m.get("contextId") == "a" and m.get("audio")]
+        assert len(got["b"]) == 2 * engine.expected_samples("Sure, stopping now.", 16_000)
+        # a second close of a finished context, and keep-alives, are no-ops
+        await _send(ws, context_id="a", close_context=True)
+        await _send(ws, text="")
+        await _send(ws, text="", context_id="b")
+        await _send(ws, text=" ", context_id="c")
+        await _send(ws, context_id="c", close_context=True)  # a context that got no text ends at once
+        await _until_final(ws, "c", got, within_s=5)
+
+
+async def test_context_limit_and_voice_settings_in_any_message(fake_engine: FakeSpeechEngine,
+                                                               make_gateway: GatewayFactory) -> None:
+    async with make_gateway(fake_engine) as server, connect(_url(server)) as ws:
+        for i in range(5):
+            await _send(ws, text=" ", context_id=f"c{i}")
+        await _send(ws, text=" ", context_id="c5")
+        err = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        assert err["error"] == "max_active_conversations" and err["contextId"] == "c5"
+        await _send(ws, text="Hi there.", context_id="c0", voice_settings={"speed": 1.2})
+        err = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        assert err["error"] == "invalid_voice_settings" and err["contextId"] == "c0"
+        await _send(ws, close_socket=True)
+        await asyncio.wait_for(ws.wait_closed(), 10)
+        assert ws.close_code == 1000
