@@ -1,19 +1,21 @@
-"""Audio output of the dialects (numpy + soxr; MP3 through ``lameenc`` when it is installed):
-encodings, extra rates, WAV streaming header.
+"""Audio output of the dialects (numpy + soxr; MP3 through ``lameenc``, Ogg/Opus, AAC and FLAC
+through PyAV's bundled FFmpeg, each when installed): encodings, extra rates, WAV streaming header.
 
 The session always produces PCM16 at one of the native protocol's rates; a dialect may want a rate
 the native protocol does not offer (22050, 32000, 44100 Hz) or an encoding it does not (A-law,
 MP3). ``Encoder`` turns the session's PCM16 into the dialect's bytes: a streaming band-limited
 resampler (``engine.audio_format.StreamResampler``) when the rates differ, then PCM16 / mu-law /
-A-law / MP3 (LAME, constant bit rate, mono).
+A-law / MP3 (LAME, constant bit rate, mono) / Ogg Opus, AAC (ADTS), FLAC (libopus, FFmpeg's
+aac and flac encoders: ``av``), streamed: bytes come out as the container's pages fill.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import io
 import struct
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import numpy as np
 
@@ -21,9 +23,14 @@ from engine.audio_format import StreamResampler, float_to_pcm16, pcm16_to_float
 from gateway import protocol as P
 from gateway.audio import mulaw_encode
 
-Encoding = Literal["pcm16", "mulaw", "alaw", "mp3"]
+Encoding = Literal["pcm16", "mulaw", "alaw", "mp3", "opus", "aac", "flac"]
 
-_BYTES_PER_SAMPLE: Final[dict[str, int]] = {"pcm16": 2, "mulaw": 1, "alaw": 1, "mp3": 0}
+_BYTES_PER_SAMPLE: Final[dict[str, int]] = {"pcm16": 2, "mulaw": 1, "alaw": 1, "mp3": 0, "opus": 0, "aac": 0,
+                                            "flac": 0}
+#: PyAV encodings: (container format, FFmpeg encoder).
+_AV_CODECS: Final[dict[str, tuple[str, str]]] = {"opus": ("ogg", "libopus"), "aac": ("adts", "aac"),
+                                                 "flac": ("flac", "flac")}
+OPUS_RATES_HZ: Final = (8_000, 12_000, 16_000, 24_000, 48_000)
 #: Rate the session runs at when the wanted rate is not a native one (then resampled here).
 _FALLBACK_SESSION_RATE_HZ: Final = 24_000
 
@@ -49,6 +56,68 @@ class OutputFormat:
 def mp3_available() -> bool:
     """MP3 output needs the optional ``lameenc`` package (LAME)."""
     return importlib.util.find_spec("lameenc") is not None
+
+
+def av_available() -> bool:
+    """Opus, AAC and FLAC output need the optional ``av`` package (PyAV, FFmpeg bundled)."""
+    return importlib.util.find_spec("av") is not None
+
+
+class _Sink(io.RawIOBase):
+    """Where the muxer writes: bytes are taken out as they come (not seekable: streamed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._parts: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def write(self, b: bytes) -> int:  # type: ignore[override]
+        self._parts.append(bytes(b))
+        return len(b)
+
+    def take(self) -> bytes:
+        out = b"".join(self._parts)
+        self._parts.clear()
+        return out
+
+
+class _AvStream:
+    """One Ogg/Opus, ADTS/AAC or FLAC stream through PyAV (frame sizes are buffered by PyAV)."""
+
+    def __init__(self, encoding: str, rate_hz: int, bitrate_kbps: int) -> None:
+        import av
+
+        fmt, codec = _AV_CODECS[encoding]
+        self.rate_hz = rate_hz
+        self._sink = _Sink()
+        self._container = av.open(self._sink, mode="w", format=fmt)
+        add_stream: Any = self._container.add_stream
+        self._stream: Any = add_stream(codec, rate=rate_hz, layout="mono")
+        if bitrate_kbps:
+            self._stream.bit_rate = bitrate_kbps * 1000
+        self.used = False
+
+    def encode(self, pcm16: bytes) -> bytes:
+        import av
+
+        self.used = True
+        arr = np.frombuffer(pcm16, dtype="<i2").reshape(1, -1)
+        frame = av.AudioFrame.from_ndarray(arr, format="s16", layout="mono")
+        frame.sample_rate = self.rate_hz
+        for packet in self._stream.encode(frame):
+            self._container.mux(packet)
+        return self._sink.take()
+
+    def flush(self) -> bytes:
+        for packet in self._stream.encode(None):
+            self._container.mux(packet)
+        self._container.close()
+        return self._sink.take()
 
 
 class _Mp3:
@@ -126,6 +195,7 @@ class Encoder:
         self.fmt = fmt
         self._rs: StreamResampler | None = None
         self._mp3: _Mp3 | None = None
+        self._av: _AvStream | None = None
         self._dirty = False
         self.reset()
 
@@ -134,6 +204,8 @@ class Encoder:
             self._rs = StreamResampler(self.fmt.session_rate_hz, self.fmt.rate_hz)
         if self.fmt.encoding == "mp3":
             self._mp3 = _Mp3(self.fmt.rate_hz, self.fmt.bitrate_kbps)
+        if self.fmt.encoding in _AV_CODECS:
+            self._av = _AvStream(self.fmt.encoding, self.fmt.rate_hz, self.fmt.bitrate_kbps)
         self._dirty = False
 
     def encode(self, pcm16: bytes) -> bytes:
@@ -153,6 +225,8 @@ class Encoder:
             out = self._finish(tail)
         if self._mp3 is not None and self._mp3.used:
             out += self._mp3.flush()
+        elif self._av is not None and self._av.used:
+            out += self._av.flush()
         elif not out:
             return b""
         self.reset()
@@ -166,6 +240,8 @@ class Encoder:
         if self.fmt.encoding == "mp3":
             assert self._mp3 is not None
             return self._mp3.encode(pcm16)
+        if self._av is not None:
+            return self._av.encode(pcm16)
         return alaw_encode(pcm16)
 
 

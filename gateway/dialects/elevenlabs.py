@@ -23,7 +23,7 @@ import orjson
 
 from gateway import protocol as P
 from gateway.dialects import voices
-from gateway.dialects.audio import Encoder, OutputFormat, mp3_available
+from gateway.dialects.audio import Encoder, OutputFormat, av_available, mp3_available
 from gateway.dialects.base import Step, Turns
 
 PATH_RE: Final = re.compile(r"^/v1/text-to-speech/([^/]{1,128})/(stream-input|multi-stream-input)$")
@@ -45,6 +45,17 @@ MP3_FORMATS: Final[dict[str, OutputFormat]] = {
     f"mp3_{rate}_{kbps}": OutputFormat("mp3", rate, kbps)
     for rate, kbps in ((22_050, 32), (44_100, 32), (44_100, 64), (44_100, 96), (44_100, 128), (44_100, 192))
 }
+#: Ogg/Opus output_format values, served when ``av`` (PyAV) is installed.
+OPUS_FORMATS: Final[dict[str, OutputFormat]] = {
+    f"opus_48000_{kbps}": OutputFormat("opus", 48_000, kbps) for kbps in (32, 64, 96, 128, 192)
+}
+
+
+def served_formats() -> dict[str, OutputFormat]:
+    """The output_format values this installation serves."""
+    return {**OUTPUT_FORMATS, **(MP3_FORMATS if mp3_available() else {}), **(OPUS_FORMATS if av_available() else {})}
+
+
 #: Query parameters accepted and ignored.
 IGNORED_PARAMS: Final = frozenset({"model_id", "enable_logging", "enable_ssml_parsing", "optimize_streaming_latency",
                                    "inactivity_timeout", "sync_alignment", "auto_mode", "apply_text_normalization"})
@@ -87,7 +98,7 @@ def parse_request(path: str, query: str) -> Options:
     except ValueError:
         raise HandshakeError(400, "invalid_query", "malformed query string") from None
     fmt_name = q.get("output_format") or "mp3_44100_128"
-    served = {**OUTPUT_FORMATS, **MP3_FORMATS} if mp3_available() else OUTPUT_FORMATS
+    served = served_formats()
     fmt = served.get(fmt_name)
     if fmt is None:
         raise HandshakeError(400, "invalid_output_format", f"output_format {fmt_name} is not supported by this "

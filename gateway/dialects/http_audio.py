@@ -28,14 +28,20 @@ import orjson
 
 from gateway import protocol as P
 from gateway.dialects import deepgram, elevenlabs, voices
-from gateway.dialects.audio import Encoder, OutputFormat, mp3_available, wav_stream_header
+from gateway.dialects.audio import Encoder, OutputFormat, av_available, mp3_available, wav_stream_header
 from gateway.dialects.openai import Abort, Body, End, Head, HttpOut
 
 ELEVENLABS_PATH_RE: Final = re.compile(r"^/v1/text-to-speech/([^/]{1,128})(/stream)?$")
 DEEPGRAM_MP3_KBPS: Final = 48
 """Deepgram REST's mp3: 22.05 kHz at 48 kbit/s (its documented default bit rate)."""
 _CONTENT_TYPES: Final = {"pcm16": "audio/pcm", "mulaw": "audio/basic", "alaw": "audio/x-alaw-basic",
-                         "mp3": "audio/mpeg"}
+                         "mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac"}
+#: Deepgram REST encodings beyond the WebSocket's (PyAV): encoding -> (rates, default rate, kbps).
+DEEPGRAM_AV: Final[dict[str, tuple[tuple[int, ...], int, int]]] = {
+    "opus": ((48_000,), 48_000, 32),
+    "aac": ((8_000, 16_000, 22_050, 24_000, 32_000, 44_100, 48_000), 22_050, 48),
+    "flac": ((8_000, 16_000, 22_050, 32_000, 48_000), 48_000, 0),
+}
 
 #: Native error codes -> HTTP status before any audio was sent.
 _STATUS: Final[dict[str, int]] = {
@@ -126,7 +132,7 @@ def parse_elevenlabs(path: str, query: str, raw: bytes, max_chars: int) -> Audio
             from None
     q = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
     fmt_name = q.get("output_format") or "mp3_44100_128"
-    served = {**elevenlabs.OUTPUT_FORMATS, **elevenlabs.MP3_FORMATS} if mp3_available() else elevenlabs.OUTPUT_FORMATS
+    served = elevenlabs.served_formats()
     fmt = served.get(fmt_name)
     if fmt is None:
         raise ElevenLabsError(400, "invalid_output_format", f"output_format {fmt_name} is not supported by this "
@@ -152,11 +158,30 @@ def parse_deepgram(query: str, raw: bytes, max_chars: int) -> AudioRequest:
         if q.get(k, "").endswith(".0") and q[k][:-2].isdigit():
             q[k] = q[k][:-2]
     encoding = q.get("encoding") or "mp3"
-    container = q.get("container") or ("wav" if encoding == "linear16" else "none")
-    if container not in ("none", "wav") or container == "wav" and encoding != "linear16":
+    container = q.get("container") or {"linear16": "wav", "opus": "ogg"}.get(encoding, "none")
+    if encoding not in DEEPGRAM_AV and (container not in ("none", "wav") or container == "wav"
+                                        and encoding != "linear16"):
         raise DeepgramError(400, "UNSUPPORTED_CONTAINER", f"container {container!r} is not supported for "
                             f"{encoding}; use none (or wav with linear16)", request_id=rid)
-    if encoding == "mp3":
+    if encoding in DEEPGRAM_AV:
+        if not av_available():
+            raise DeepgramError(400, "UNSUPPORTED_ENCODING", f"{encoding} needs the av package on this server; "
+                                "use encoding=linear16, mulaw or alaw", request_id=rid)
+        rates, default_rate, kbps = DEEPGRAM_AV[encoding]
+        rate_s = q.get("sample_rate") or str(default_rate)
+        if not rate_s.isdigit() or int(rate_s) not in rates:
+            raise DeepgramError(400, "INVALID_QUERY_PARAMETER", f"sample_rate {rate_s!r} not supported for "
+                                f"{encoding}; use one of {', '.join(map(str, rates))}", request_id=rid)
+        if container not in ("none", "ogg" if encoding == "opus" else "none"):
+            raise DeepgramError(400, "UNSUPPORTED_CONTAINER", f"container {container!r} is not supported for "
+                                f"{encoding}", request_id=rid)
+        rest = "&".join(f"{k}={v}" for k, v in q.items() if k not in ("encoding", "sample_rate", "container"))
+        try:
+            opts = deepgram.parse_query(rest)
+        except deepgram.QueryError as exc:
+            raise DeepgramError(400, exc.err_code, exc.err_msg, request_id=rid) from None
+        fmt = OutputFormat(encoding, int(rate_s), kbps)  # type: ignore[arg-type]
+    elif encoding == "mp3":
         if not mp3_available():
             raise DeepgramError(400, "UNSUPPORTED_ENCODING", "mp3 needs the lameenc package on this server; "
                                 "use encoding=linear16, mulaw or alaw", request_id=rid)

@@ -19,17 +19,30 @@ import orjson
 
 from gateway import protocol as P
 from gateway.dialects import voices
-from gateway.dialects.audio import Encoder, OutputFormat, mp3_available, wav_stream_header
+from gateway.dialects.audio import Encoder, OutputFormat, av_available, mp3_available, wav_stream_header
 
 PATH: Final = "/v1/audio/speech"
 RATE_HZ: Final = 24_000
 """OpenAI's pcm and wav are 24 kHz, 16-bit, mono."""
-RESPONSE_FORMATS: Final = ("pcm", "wav", "mp3")
+RESPONSE_FORMATS: Final = ("pcm", "wav", "mp3", "opus", "aac", "flac")
 """mp3 only when ``lameenc`` is installed (``audio.mp3_available``)."""
-UNSUPPORTED_FORMATS: Final = ("opus", "aac", "flac")
 MP3_BITRATE_KBPS: Final = 64
 """mp3: 24 kHz mono, constant 64 kbit/s."""
-_CONTENT_TYPES: Final = {"pcm": "audio/pcm", "wav": "audio/wav", "mp3": "audio/mpeg"}
+COMPRESSED: Final[dict[str, OutputFormat]] = {
+    "mp3": OutputFormat("mp3", RATE_HZ, MP3_BITRATE_KBPS),
+    "opus": OutputFormat("opus", RATE_HZ, 32),
+    "aac": OutputFormat("aac", RATE_HZ, 64),
+    "flac": OutputFormat("flac", RATE_HZ),
+}
+"""mp3 needs ``lameenc``; opus (Ogg), aac (ADTS) and flac need ``av`` (PyAV)."""
+_CONTENT_TYPES: Final = {"pcm": "audio/pcm", "wav": "audio/wav", "mp3": "audio/mpeg", "opus": "audio/opus",
+                         "aac": "audio/aac", "flac": "audio/flac"}
+
+
+def served_formats() -> tuple[str, ...]:
+    """The ``response_format`` values this installation serves."""
+    return tuple(f for f in RESPONSE_FORMATS
+                 if f in ("pcm", "wav") or (f == "mp3" and mp3_available()) or (f != "mp3" and av_available()))
 STREAM_FORMATS: Final = ("audio", "sse")
 IGNORED_FIELDS: Final = ("instructions",)
 SAMPLES_PER_TOKEN: Final = 512
@@ -102,8 +115,8 @@ def parse_body(raw: bytes, *, max_input_chars: int) -> SpeechBody:
         raise ApiError(400, f"Unknown voice {voice!r}. Supported: {', '.join(voices.OPENAI)}, a ChatTTS "
                        "seed ('2222'), or 'default'.", param="voice", code="invalid_value") from None
     fmt = obj.get("response_format", "mp3")
-    served = RESPONSE_FORMATS if mp3_available() else tuple(f for f in RESPONSE_FORMATS if f != "mp3")
-    if fmt in UNSUPPORTED_FORMATS or fmt == "mp3" and fmt not in served:
+    served = served_formats()
+    if fmt in RESPONSE_FORMATS and fmt not in served:
         raise ApiError(400, f"response_format '{fmt}' is not supported by this server; use one of "
                        f"{', '.join(served)}.", param="response_format", code="unsupported_value")
     if fmt not in served:
@@ -189,7 +202,7 @@ class SpeechResponder:
         self.head_sent = False
         self.finished = False
         self.samples = 0
-        self.encoder = Encoder(OutputFormat("mp3", RATE_HZ, MP3_BITRATE_KBPS) if body.response_format == "mp3"
+        self.encoder = Encoder(COMPRESSED[body.response_format] if body.response_format in COMPRESSED
                                else OutputFormat("pcm16", RATE_HZ))
 
     def opening(self) -> list[dict[str, Any]]:

@@ -126,7 +126,7 @@ def test_handshake_parsing():
     e = elevenlabs.parse_request("/v1/text-to-speech/2222/stream-input", "output_format=pcm_44100&seed=4294967295")
     assert e.speaker == 2222 and e.fmt.session_rate_hz == 24_000 and e.seed == (2**32 - 1) % 2**31
     with pytest.raises(elevenlabs.HandshakeError):
-        elevenlabs.parse_request("/v1/text-to-speech/2222/stream-input", "output_format=opus_48000_32")
+        elevenlabs.parse_request("/v1/text-to-speech/2222/stream-input", "output_format=opus_16000_32")
 
 
 def test_alaw_g711():

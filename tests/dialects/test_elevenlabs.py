@@ -123,7 +123,7 @@ async def test_handshake_errors_and_key_in_first_message(fake_engine: FakeSpeech
         assert exc.value.response.status_code == 404
         assert orjson.loads(exc.value.response.body)["detail"]["status"] == "voice_not_found"
         with pytest.raises(InvalidStatus) as exc:
-            await connect(_url(server, output_format="opus_48000_64"))
+            await connect(_url(server, output_format="opus_16000_64"))
         assert exc.value.response.status_code == 400
         with pytest.raises(InvalidStatus) as exc:
             await connect(_url(server, output_format="pcm_24000"), additional_headers={"xi-api-key": "wrong"})

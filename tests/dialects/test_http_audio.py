@@ -62,7 +62,7 @@ async def test_elevenlabs_http_default_mp3_and_errors(fake_engine: FakeSpeechEng
             assert frames > 0 and rate == 44_100
         reached = len(fake_engine.requests)
         cases = [({"voice_id": "nobody", "text": TEXT}, 404, "voice_not_found"),
-                 ({"voice_id": RACHEL, "text": TEXT, "output_format": "opus_48000_64"}, 400, "invalid_output_format"),
+                 ({"voice_id": RACHEL, "text": TEXT, "output_format": "opus_16000_64"}, 400, "invalid_output_format"),
                  ({"voice_id": RACHEL, "text": TEXT, "voice_settings": {"speed": 1.5}}, 422, "invalid_voice_settings")]
         for kwargs, status, code in cases:
             with pytest.raises(ApiError) as exc:

@@ -91,7 +91,7 @@ async def test_wav_and_sse(counting_engine: CountingEngine, make_gateway: Gatewa
     ("kwargs", "param", "code"),
     [
         ({"voice": "nobody"}, "voice", "invalid_value"),
-        ({"response_format": "opus"}, "response_format", "unsupported_value"),
+        ({"response_format": "ogg"}, "response_format", "invalid_value"),
         ({"speed": 1.5}, "speed", "unsupported_value"),
         ({"speed": 9.0}, "speed", "invalid_value"),
         ({"input": "   "}, "input", "invalid_value"),
