@@ -31,7 +31,7 @@ from gateway import protocol as P
 from gateway.audio import encode_samples
 from gateway.flow import FlowConfig, FlowControl
 from gateway.scheduling import PriorityFn, make_priority_fn
-from gateway.segmenter import Segmenter, SegmenterConfig, is_cjk, is_speakable, text_units
+from gateway.segmenter import Segmenter, SegmenterConfig, is_cjk, is_speakable, text_units, word_timings
 from voicegw.config import Config, LimitsConfig, SchedulerConfig
 
 _log = logging.getLogger("voicegw.session")
@@ -178,6 +178,8 @@ class _Segment:
     announced: bool = False
     start_char: int = 0
     """Offset (code points) of the segment's first character in the utterance's text."""
+    utt_offset: int = 0
+    """Sample offset of its first sample within its utterance."""
     end_char: int = 0
     """Offset just past the segment in the utterance's text (a client resumes from here)."""
 
@@ -854,6 +856,7 @@ class Session:
     def _announce(self, s: _Stream, out: list[Action]) -> None:
         s.seg.announced = True
         s.seg.session_start = self._flow.sent
+        s.seg.utt_offset = s.utt.sent
         out.append(SendMessage({
             "type": P.ServerType.SEGMENT_STARTED.value,
             "utterance_id": s.utt.id,
@@ -867,11 +870,16 @@ class Session:
     def _retire(self, now_s: float, s: _Stream, out: list[Action]) -> None:
         if not s.seg.announced:
             self._announce(s, out)
+        offset_ms = s.seg.utt_offset * 1000.0 / self.rate_hz
+        words = word_timings(s.seg.text, s.seg.sent * 1000.0 / self.rate_hz)
         out.append(SendMessage({
             "type": P.ServerType.SEGMENT_DONE.value,
             "utterance_id": s.utt.id,
             "segment": s.seg.index,
             "samples": s.seg.sent,
+            "words": [{"word": w, "start_ms": round(offset_ms + a, 1), "end_ms": round(offset_ms + b, 1)}
+                      for w, a, b in words],
+            "word_timing": "estimate",
         }))
         self._streams.popleft()
         self._by_id.pop(s.request_id, None)

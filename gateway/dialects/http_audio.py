@@ -1,7 +1,9 @@
 """Audio over plain HTTP for the ElevenLabs and Deepgram dialects (pure): request parsing and a
 responder that turns one native session's audio into the response body as it comes.
 
-* ElevenLabs ``POST /v1/text-to-speech/{voice_id}`` and ``.../stream``: JSON body ``{"text",
+* ElevenLabs ``POST /v1/text-to-speech/{voice_id}``, ``.../stream``, ``.../with-timestamps`` and
+  ``.../stream/with-timestamps`` (JSON: ``audio_base64`` and character ``alignment``, one object,
+  or one line per segment as each segment's audio is complete): JSON body ``{"text",
   "model_id"?, "voice_settings"?, "language_code"?, "seed"?, ...}``, query ``output_format``
   (the WebSocket dialect's formats, default ``mp3_44100_128``); errors ``{"detail": {"status",
   "message"}}``.
@@ -18,6 +20,7 @@ error), then the body is chunked as the engine produces. OpenAI's ``/v1/audio/sp
 
 from __future__ import annotations
 
+import base64
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -30,8 +33,9 @@ from gateway import protocol as P
 from gateway.dialects import deepgram, elevenlabs, voices
 from gateway.dialects.audio import Encoder, OutputFormat, av_available, mp3_available, wav_stream_header
 from gateway.dialects.openai import Abort, Body, End, Head, HttpOut
+from gateway.segmenter import char_timings
 
-ELEVENLABS_PATH_RE: Final = re.compile(r"^/v1/text-to-speech/([^/]{1,128})(/stream)?$")
+ELEVENLABS_PATH_RE: Final = re.compile(r"^/v1/text-to-speech/([^/]{1,128})(/stream)?(/with-timestamps)?$")
 DEEPGRAM_MP3_KBPS: Final = 48
 """Deepgram REST's mp3: 22.05 kHz at 48 kbit/s (its documented default bit rate)."""
 _CONTENT_TYPES: Final = {"pcm16": "audio/pcm", "mulaw": "audio/basic", "alaw": "audio/x-alaw-basic",
@@ -97,6 +101,10 @@ class AudioRequest:
     """A streaming WAV header first (sizes ``0xFFFFFFFF``)."""
     headers: tuple[tuple[str, str], ...] = ()
     request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    timestamps: bool = False
+    """ElevenLabs ``with-timestamps``: JSON with base64 audio and character alignment."""
+    stream: bool = True
+    """With ``timestamps``: one JSON line per segment (else one object at the end)."""
 
 
 def _body_json(raw: bytes, err: type[VendorError], max_chars: int) -> tuple[dict[str, Any], str]:
@@ -147,7 +155,8 @@ def parse_elevenlabs(path: str, query: str, raw: bytes, max_chars: int) -> Audio
     language = obj.get("language_code")
     if language is not None and (not isinstance(language, str) or not re.fullmatch(r"[A-Za-z0-9-]{1,16}", language)):
         raise ElevenLabsError(422, "invalid_language_code", "language_code must be a language tag")
-    return AudioRequest(text, speaker, fmt, ElevenLabsError, language, None if seed is None else seed % 2**31)
+    return AudioRequest(text, speaker, fmt, ElevenLabsError, language, None if seed is None else seed % 2**31,
+                        timestamps=m.group(3) is not None, stream=m.group(2) is not None)
 
 
 def parse_deepgram(query: str, raw: bytes, max_chars: int) -> AudioRequest:
@@ -214,6 +223,16 @@ class AudioResponder:
         self.head_sent = False
         self.finished = False
         self.samples = 0
+        self._seg_text = ""
+        self._seg_span = (0, 0)
+        self._prev_end = 0
+        """Characters of the text before this are aligned (gaps: spaces, unspoken marks)."""
+        self._seg_audio = bytearray()
+        self._t_ms = 0.0
+        self._chars: list[str] = []
+        self._starts_s: list[float] = []
+        self._ends_s: list[float] = []
+        self._audio = bytearray()
 
     def opening(self) -> list[dict[str, Any]]:
         r = self.req
@@ -232,6 +251,8 @@ class AudioResponder:
             return []
         self.head_sent = True
         ctype = "audio/wav" if self.req.wav else _CONTENT_TYPES[self.req.fmt.encoding]
+        if self.req.timestamps:
+            ctype = "application/json"
         out: list[HttpOut] = [Head(200, (("Content-Type", ctype), *self.req.headers))]
         if self.req.wav:
             out.append(Body(wav_stream_header(self.req.fmt.rate_hz)))
@@ -241,10 +262,43 @@ class AudioResponder:
         if self.finished or not pcm16:
             return []
         self.samples += len(pcm16) // 2
+        if self.req.timestamps:
+            self._seg_audio += self.encoder.encode(pcm16)
+            return []
         out = self._head()
         data = self.encoder.encode(pcm16)
         if data:
             out.append(Body(data))
+        return out
+
+    def _alignment(self, chars: list[str], starts: list[float], ends: list[float]) -> dict[str, Any]:
+        a = {"characters": chars, "character_start_times_seconds": starts, "character_end_times_seconds": ends}
+        return {"alignment": a, "normalized_alignment": a}
+
+    def _segment_done(self, samples: int) -> list[HttpOut]:
+        """A segment's audio is complete: its characters' times (an estimate within the segment,
+        ``segmenter.char_timings``), as one JSON line when streaming."""
+        dur_ms = samples * 1000.0 / self.req.fmt.session_rate_hz
+        start, end = self._seg_span
+        gap = self.req.text[self._prev_end:start] if start >= self._prev_end else ""
+        self._prev_end = max(self._prev_end, end)
+        starts, durs = char_timings(self._seg_text, dur_ms)
+        t0 = round(self._t_ms / 1000.0, 3)
+        chars = list(gap) + list(self._seg_text)
+        s0 = [t0] * len(gap) + [round((self._t_ms + a) / 1000.0, 3) for a in starts]
+        e0 = [t0] * len(gap) + [round((self._t_ms + a + d) / 1000.0, 3) for a, d in zip(starts, durs, strict=True)]
+        self._t_ms += dur_ms
+        audio, self._seg_audio = bytes(self._seg_audio), bytearray()
+        self._seg_text = ""
+        if not self.req.stream:
+            self._audio += audio
+            self._chars += chars
+            self._starts_s += s0
+            self._ends_s += e0
+            return []
+        out = self._head()
+        line = {"audio_base64": base64.b64encode(audio).decode(), **self._alignment(chars, s0, e0)}
+        out.append(Body(orjson.dumps(line) + b"\n"))
         return out
 
     def on_server_message(self, msg: dict[str, Any]) -> list[HttpOut]:
@@ -256,11 +310,32 @@ class AudioResponder:
                 return self._fail_code(str(msg.get("error", "engine_error")))
             out = self._head()
             tail = self.encoder.flush()
-            if tail:
+            if self.req.timestamps:
+                audio = bytes(self._audio) + bytes(self._seg_audio) + tail
+                rest = list(self.req.text[self._prev_end:])  # trailing spaces or unspoken marks
+                t_end = round(self._t_ms / 1000.0, 3)
+                if self.req.stream:
+                    if audio or rest:
+                        out.append(Body(orjson.dumps({"audio_base64": base64.b64encode(audio).decode(),
+                                                      **self._alignment(rest, [t_end] * len(rest),
+                                                                        [t_end] * len(rest))}) + b"\n"))
+                else:
+                    self._chars += rest
+                    self._starts_s += [t_end] * len(rest)
+                    self._ends_s += [t_end] * len(rest)
+                    out.append(Body(orjson.dumps({"audio_base64": base64.b64encode(audio).decode(),
+                                                  **self._alignment(self._chars, self._starts_s, self._ends_s)})))
+            elif tail:
                 out.append(Body(tail))
             self.finished = True
             out.append(End())
             return out
+        if self.req.timestamps and mtype == P.ServerType.SEGMENT_STARTED.value:
+            self._seg_text = str(msg.get("text", ""))
+            self._seg_span = (int(msg.get("start_char", 0)), int(msg.get("end_char", 0)))
+            return []
+        if self.req.timestamps and mtype == P.ServerType.SEGMENT_DONE.value:
+            return self._segment_done(int(msg.get("samples", 0)))
         if mtype == P.ServerType.ERROR.value and (msg.get("fatal") or "utterance_id" not in msg):
             return self._fail_code(str(msg.get("code", "internal_error")))
         return []

@@ -115,3 +115,31 @@ async def test_deepgram_rest_default_mp3_headers_and_errors(fake_engine: FakeSpe
         with pytest.raises(ApiError) as exc:
             _ = [c async for c in _dg(server, "wrong").speak.v1.audio.generate(text=TEXT, encoding="linear16")]
         assert exc.value.status_code == 401 and exc.value.body["err_code"] == "INVALID_AUTH"
+
+
+async def test_elevenlabs_with_timestamps(counting_engine: CountingEngine, make_gateway: GatewayFactory) -> None:
+    """``convert_with_timestamps`` / ``stream_with_timestamps``: the audio, and every character of
+    the spoken segments with start/end times in order, ending where the audio ends."""
+    import base64
+
+    from elevenlabs.client import ElevenLabs
+
+    async with make_gateway(counting_engine) as server:
+        client = ElevenLabs(api_key="xi-test", base_url=server.url)
+        res = await asyncio.to_thread(lambda: client.text_to_speech.convert_with_timestamps(
+            voice_id=RACHEL, text=TEXT, output_format="pcm_16000"))
+        audio = base64.b64decode(res.audio_base_64)
+        assert len(audio) == 2 * counting_engine.total_samples > 0
+        al = res.alignment
+        assert al is not None and "".join(al.characters) == TEXT  # every character, spaces included
+        starts, ends = al.character_start_times_seconds, al.character_end_times_seconds
+        assert starts == sorted(starts) and all(a <= b for a, b in zip(starts, ends, strict=True))
+        assert abs(ends[-1] - len(audio) / 2 / 16_000) < 0.01  # the last character ends with the audio
+
+        before = counting_engine.total_samples
+        chunks = await asyncio.to_thread(lambda: list(client.text_to_speech.stream_with_timestamps(
+            voice_id=RACHEL, text=TEXT, output_format="pcm_16000")))
+        audio2 = b"".join(base64.b64decode(c.audio_base_64) for c in chunks if c.audio_base_64)
+        assert len(audio2) == 2 * (counting_engine.total_samples - before) > 0
+        chars = [ch for c in chunks if c.alignment is not None for ch in c.alignment.characters]
+        assert "".join(chars) == TEXT

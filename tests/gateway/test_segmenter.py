@@ -56,6 +56,19 @@ def test_boundaries_chinese_need_no_lookahead():
     assert ends("一、二；三：四") == [("一、", False), ("一、二；", False), ("一、二；三：", False)]
 
 
+def test_timings_share_the_measured_duration():
+    from gateway.segmenter import char_timings, word_timings
+
+    starts, durs = char_timings("ab c", 1000.0)
+    assert starts[0] == 0.0 and abs(starts[-1] + durs[-1] - 1000.0) < 1e-9  # exact at both ends
+    assert durs[0] == durs[1] == durs[3] > durs[2]  # a space is a short pause
+    words = word_timings("Hello there, world.", 1900.0)
+    assert [w for w, _, _ in words] == ["Hello", "there,", "world."]
+    assert words[0][1] == 0.0 and abs(words[-1][2] - 1900.0) < 1e-9
+    assert all(a < b <= c for (_, a, b), (_, c, _) in zip(words, words[1:], strict=False))
+    assert [w for w, _, _ in word_timings("你好，世界", 500.0)] == ["你", "好，", "世", "界"]
+
+
 def test_units():
     assert text_units("abc de") == 5
     assert text_units("你好") == 6
