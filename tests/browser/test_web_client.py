@@ -420,3 +420,48 @@ async def test_demo_stream_as_i_type_edit_starts_a_new_utterance(page: Any, gate
             utterances[-1] += m["text"]
     assert utterances[0] == "The weather is nice", sent
     assert [u.strip() for u in utterances[1:]] == ["The storm comes"], sent
+
+
+async def test_overload_is_retried_after_the_hinted_wait(browser: Any, speech_engine: Any) -> None:
+    """One engine batch slot (engine.max_num_seqs = 1, admission on), held by another session: the
+    page's utterance is refused with engine_overloaded; the client waits about retry_after_ms
+    (capped), tries again once the slot is free, and speaks it (``result.attempts`` >= 2)."""
+    import dataclasses
+
+    from gateway.server import GatewayServer
+    from tests.gateway.wsclient import Client as RawClient
+    from voicegw.config import Config, EngineConfig, GatewayConfig, SchedulerConfig
+
+    config = Config(gateway=GatewayConfig(host="127.0.0.1", port=0),
+                    engine=dataclasses.replace(EngineConfig(), max_num_seqs=1),
+                    scheduler=dataclasses.replace(SchedulerConfig(), ttfa_target_ms=50.0, admission=True))
+    server = GatewayServer(config, speech_engine)
+    await server.start()
+    pg = await browser.new_page()
+    try:
+        busy = await RawClient.open(server.ws_url)  # never reports playback: its stream holds the slot
+        await busy.start()
+        await busy.speak("This answer goes on for quite a while, sentence after sentence, holding the slot. " * 6)
+        await busy.wait_for("segment.started", within_s=60)
+        await pg.goto(server.url + "/")
+        await pg.evaluate("""
+          async () => {
+            const { VoiceGateway } = await import("/voicegw.js");
+            const gw = new VoiceGateway(undefined, { prebufferMs: 300, retry: { overloadAttempts: 20, overloadMaxWaitMs: 1500 } });
+            await gw.connect();
+            window.retries = [];
+            gw.addEventListener("retry", (e) => window.retries.push(e.detail));
+            window.done = gw.speak("Hello there, may I speak now?");
+          }
+        """)
+        await pg.wait_for_function("window.retries.length > 0", timeout=60_000)
+        await busy.send({"type": "cancel"})  # the slot frees while the page waits
+        await busy.wait_for("cancelled")
+        out = await asyncio.wait_for(pg.evaluate("(async () => ({ r: await window.done, retries: window.retries }))()"), 120)
+        await busy.close()
+    finally:
+        await pg.close()
+        await server.shutdown(grace_s=0.5)
+    r, retries = out["r"], out["retries"]
+    assert r["status"] == "ok" and r["samples"] > 0 and r["attempts"] == len(retries) + 1 >= 2, out
+    assert all(0 < x["waitMs"] <= 1500 for x in retries), retries
