@@ -51,11 +51,11 @@ async def serve(
         await server.shutdown(force=force_stop)
 
 
-def run_gateway(config: Config, engine: SpeechEngine | None = None) -> int:
+def run_gateway(config: Config, engine: SpeechEngine) -> int:
     """Run the gateway in this process until SIGINT/SIGTERM (a second signal skips the grace
-    period). Builds the engine with ``voicegw.runtime.build_speech_engine(config)`` when none is
-    given; starts it and closes it at the end. Returns the process exit code (2: the engine could
-    not be built or started)."""
+    period). Starts ``engine`` (built by the caller: ``voicegw.runtime.build_speech_engine``) and
+    closes it at the end. Returns the process exit code (2: the engine could not be started).
+    Configures logging (idempotent: the root logger gets one handler)."""
     configure_logging(config.gateway)
     try:
         import uvloop
@@ -77,15 +77,7 @@ class _StartupError(Exception):
     pass
 
 
-async def _main(config: Config, engine: SpeechEngine | None) -> None:
-    if engine is None:
-        from voicegw.runtime import build_speech_engine
-
-        try:
-            engine = build_speech_engine(config)
-        except Exception as exc:
-            raise _StartupError(f"cannot build the engine: {exc}") from None
-    assert engine is not None
+async def _main(config: Config, engine: SpeechEngine) -> None:
     log.info("event loop %s; engine %s", type(asyncio.get_running_loop()).__module__, engine.name)
     try:
         await engine.start()
