@@ -163,7 +163,7 @@ class GatewayServer:
     async def start(self) -> None:
         g = self.config.gateway
         self._ws = await ws_serve(
-            self._handler,
+            self.handle,
             g.host,
             g.port,
             process_request=self._process_request,
@@ -256,7 +256,7 @@ class GatewayServer:
         if self.draining:
             self.metrics.rejected.labels("shutdown").inc()
             return _text(503, "server is shutting down", [("Retry-After", "5")])
-        if not self._origin_ok(request.headers):
+        if not self.origin_ok(request.headers):
             self.metrics.rejected.labels("origin").inc()
             return _text(403, "origin not allowed")
         offered = [p.strip() for h in request.headers.get_all("Sec-WebSocket-Protocol") for p in h.split(",")]
@@ -272,7 +272,7 @@ class GatewayServer:
             return _text(503, "too many sessions", [("Retry-After", "1")])
         return None
 
-    def _origin_ok(self, headers: Headers) -> bool:
+    def origin_ok(self, headers: Headers) -> bool:
         origin = headers.get("Origin")
         if origin is None:
             return True  # not a browser: nothing to defend (auth still applies)
@@ -365,7 +365,7 @@ class GatewayServer:
 
     # ---- connections --------------------------------------------------------------------
 
-    async def _handler(self, ws: ServerConnection) -> None:
+    async def handle(self, ws: ServerConnection) -> None:
         _fixed_library_close_reasons(ws)
         ws = dialects.adapt(self, ws)  # a dialect connection speaks protocol v1 to _Connection
         if len(self.connections) >= self.config.limits.max_sessions or self.draining:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import email.utils
 import http
 import secrets
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit
 
 import orjson
@@ -37,12 +37,9 @@ from websockets.typing import Subprotocol
 
 from gateway import protocol as P
 from gateway.dialects import deepgram, elevenlabs, listings
-from gateway.dialects.base import token_matches
+from gateway.dialects.base import Host, token_matches
 from gateway.dialects.front import HttpExchange, front_connection
 from gateway.dialects.socket import DialectSocket
-
-if TYPE_CHECKING:
-    from gateway.server import GatewayServer
 
 __all__ = ["adapt", "front_connection", "get_listing", "process_request", "request_id", "select_subprotocol"]
 
@@ -75,7 +72,7 @@ def request_id() -> str:
     return "req_" + secrets.token_hex(12)
 
 
-def get_listing(server: GatewayServer, request: Request, path: str, query: str) -> Response:
+def get_listing(server: Host, request: Request, path: str, query: str) -> Response:
     """``GET /v1/...`` without an upgrade: a listing or a 404, in the asking client's shape."""
     tokens = server.config.gateway.auth_tokens
     if tokens and not token_matches(_credentials(request.headers, query), tokens):
@@ -123,7 +120,7 @@ def _credentials(headers: Headers, query: str) -> list[str]:
     return out
 
 
-def process_request(server: GatewayServer, request: Request) -> Response | None:
+def process_request(server: Host, request: Request) -> Response | None:
     """A WebSocket handshake on a path other than ``/ws``: 404 unless a dialect's; else the
     dialect's refusal (draining 503, origin 403, auth 401, parameters 400/404, capacity 503), or
     None to accept."""
@@ -134,7 +131,7 @@ def process_request(server: GatewayServer, request: Request) -> Response | None:
     if server.draining:
         server.metrics.rejected.labels("shutdown").inc()
         return _json_response(503, {"error": "server is shutting down"}, [("Retry-After", "5")])
-    if not server._origin_ok(request.headers):
+    if not server.origin_ok(request.headers):
         server.metrics.rejected.labels("origin").inc()
         return _json_response(403, {"error": "origin not allowed"})
     tokens = server.config.gateway.auth_tokens
@@ -172,7 +169,7 @@ def select_subprotocol(conn: ServerConnection, offered: Any) -> Subprotocol | No
     return None
 
 
-def adapt(server: GatewayServer, ws: ServerConnection) -> ServerConnection:
+def adapt(server: Host, ws: ServerConnection) -> ServerConnection:
     """The connection ``server._Connection`` should drive: ``ws`` itself for the native protocol,
     a ``DialectSocket`` for a dialect's WebSocket (HTTP exchanges come already adapted)."""
     if isinstance(ws, (DialectSocket, HttpExchange)) or ws.request is None:

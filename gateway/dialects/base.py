@@ -20,9 +20,39 @@ import hmac
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway import protocol as P
+
+if TYPE_CHECKING:
+    from collections.abc import Sized
+
+    from websockets.datastructures import Headers
+
+    from gateway.metrics import GatewayMetrics
+    from voicegw.config import Config
+
+
+class Host(Protocol):
+    """What the dialects use of the gateway (``gateway.server.GatewayServer`` is one): its
+    configuration, metrics and state, its Origin rule, and ``handle`` to run a native session over
+    a connection (a dialect socket, an HTTP exchange). The dialects import nothing of the server."""
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def metrics(self) -> GatewayMetrics: ...
+
+    @property
+    def draining(self) -> bool: ...
+
+    @property
+    def connections(self) -> Sized: ...
+
+    def origin_ok(self, headers: Headers) -> bool: ...
+
+    async def handle(self, ws: Any) -> None: ...
 
 
 @dataclass

@@ -10,7 +10,7 @@ method is taken off websockets' hands (``transport.set_protocol``) and served he
 request per connection (``Connection: close``), the response streamed with chunked transfer
 encoding.
 
-A speech request runs as a session of the gateway (``server._handler``), like a WebSocket client:
+A speech request runs as a session of the gateway (``Host.handle``), like a WebSocket client:
 ``HttpExchange`` is the duck-typed connection ``server._Connection`` drives, and
 ``openai.SpeechResponder`` / ``http_audio.AudioResponder`` turn the session's audio into the
 response body. Refusals come in the vendor's error shape (the path says which vendor).
@@ -25,7 +25,7 @@ import http
 import logging
 import secrets
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
 import h11
@@ -35,11 +35,8 @@ from websockets.protocol import State
 
 from gateway import protocol as P
 from gateway.dialects import deepgram, http_audio, openai
-from gateway.dialects.base import token_matches
+from gateway.dialects.base import Host, token_matches
 from gateway.dialects.socket import Inbox
-
-if TYPE_CHECKING:
-    from gateway.server import GatewayServer
 
 log = logging.getLogger("voicegw.dialects.front")
 
@@ -61,7 +58,7 @@ def classify(head: bytes) -> str | None:
     return "http"
 
 
-def front_connection(server: GatewayServer) -> type[ServerConnection]:
+def front_connection(server: Host) -> type[ServerConnection]:
     """A ``ServerConnection`` subclass that hands non-GET requests to ``HttpExchangeProtocol``."""
 
     open_timeout_s = server.config.gateway.open_timeout_s
@@ -139,7 +136,7 @@ def _date() -> str:
 class HttpExchangeProtocol(asyncio.Protocol):
     """One HTTP/1.1 request on a diverted connection."""
 
-    def __init__(self, server: GatewayServer) -> None:
+    def __init__(self, server: Host) -> None:
         self.server = server
         self.loop = asyncio.get_running_loop()
         lim = server.config.limits
@@ -294,7 +291,7 @@ class HttpExchangeProtocol(asyncio.Protocol):
             return
         exchange = self.exchange = HttpExchange(self, responder)
         try:
-            await self.server._handler(exchange)  # type: ignore[arg-type]
+            await self.server.handle(exchange)
         except Exception:
             log.exception("speech request failed")
         finally:
