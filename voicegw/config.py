@@ -160,7 +160,7 @@ class EngineConfig:
         """GPT steps before a segment's first audio: the first chunk and the decoder's lookahead
         (exact mode: ChatTTS's receptive field, 52 steps)."""
         la = self.decoder_lookahead_steps
-        return self.first_chunk_steps + (CHATTTS_EXACT_LOOKAHEAD_STEPS if la < 0 else la)
+        return self.first_chunk_steps + (CHATTTS_EXACT_LOOKAHEAD_STEPS if la < 0 else max(1, la))
 
 
 @dataclass(frozen=True)

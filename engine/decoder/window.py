@@ -254,8 +254,11 @@ class ChunkPolicy:
         return self.max_push_steps or 2 * self.chunk_steps
 
     def audible_steps(self, decoded_steps: int) -> int:
-        """Steps whose audio is emitted once ``decoded_steps`` steps are decoded (not final)."""
-        return max(0, decoded_steps - self.lookahead_steps)
+        """Steps whose audio is emitted once ``decoded_steps`` steps are decoded (not final). The
+        newest step is always held back, even with no lookahead: the stream may end right after
+        it, and a whole decode's last step is shorter (the centred STFT's tail) than the one
+        emitted mid-stream."""
+        return max(0, decoded_steps - max(1, self.lookahead_steps))
 
     def next_chunk_steps(self, audible_done: int, lead_steps: float | None = None) -> int:
         """Audible steps the next chunk waits for, given ``audible_done`` already emitted and the
@@ -298,7 +301,7 @@ class ChunkPolicy:
 
     def first_audio_steps(self) -> int:
         """Steps the GPT must produce before the first chunk (utterances that long or longer)."""
-        return self.first_chunk_steps + self.lookahead_steps
+        return self.first_chunk_steps + max(1, self.lookahead_steps)
 
 
 @dataclass
