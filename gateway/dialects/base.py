@@ -194,6 +194,20 @@ class Turns:
         return out
 
 
+def session_start(rate_hz: int, speaker: Any = None, language: str | None = None,
+                  seed: int | None = None) -> dict[str, Any]:
+    """The native ``session.start`` every dialect opens its session with (PCM16 at ``rate_hz``)."""
+    start: dict[str, Any] = {"type": P.ClientType.SESSION_START.value, "sample_rate": rate_hz,
+                             "format": P.AudioFormat.PCM16.value}
+    if speaker is not None:
+        start["voice"] = speaker
+    if language:
+        start["language"] = language
+    if seed is not None:
+        start["options"] = {"seed": seed}
+    return start
+
+
 def token_matches(candidates: Iterable[str], tokens: Iterable[str]) -> bool:
     """Constant-time comparison of every candidate against every accepted token."""
     ok = False

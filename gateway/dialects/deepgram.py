@@ -24,7 +24,7 @@ import orjson
 from gateway import protocol as P
 from gateway.dialects import voices
 from gateway.dialects.audio import Encoder, OutputFormat
-from gateway.dialects.base import Step, Turns
+from gateway.dialects.base import Step, Turns, session_start
 
 PATH: Final = "/v1/speak"
 #: encoding -> sample rates Deepgram accepts for it (default: linear16 at 24000 Hz).
@@ -112,12 +112,7 @@ class DeepgramTranslator:
 
     def opening(self) -> Step:
         o = self.options
-        start: dict[str, Any] = {"type": P.ClientType.SESSION_START.value, "sample_rate": o.fmt.session_rate_hz,
-                                 "format": P.AudioFormat.PCM16.value}
-        if o.speaker is not None:
-            start["voice"] = o.speaker
-        if o.language:
-            start["language"] = o.language
+        start = session_start(o.fmt.session_rate_hz, o.speaker, o.language)
         meta = {"type": "Metadata", "request_id": self.request_id, "model_name": o.model,
                 "model_version": MODEL_VERSION, "model_uuid": str(uuid.uuid5(uuid.NAMESPACE_URL, o.model))}
         return Step(to_session=[start], to_client=[_json(meta)])

@@ -24,7 +24,7 @@ import orjson
 from gateway import protocol as P
 from gateway.dialects import voices
 from gateway.dialects.audio import Encoder, OutputFormat, av_available, mp3_available
-from gateway.dialects.base import Step, Turns
+from gateway.dialects.base import Step, Turns, session_start
 
 PATH_RE: Final = re.compile(r"^/v1/text-to-speech/([^/]{1,128})/(stream-input|multi-stream-input)$")
 MAX_CONTEXTS: Final = 5
@@ -142,15 +142,7 @@ class ElevenLabsTranslator:
 
     def opening(self) -> Step:
         o = self.options
-        start: dict[str, Any] = {"type": P.ClientType.SESSION_START.value, "sample_rate": o.fmt.session_rate_hz,
-                                 "format": P.AudioFormat.PCM16.value}
-        if o.speaker is not None:
-            start["voice"] = o.speaker
-        if o.language:
-            start["language"] = o.language
-        if o.seed is not None:
-            start["options"] = {"seed": o.seed}
-        return Step(to_session=[start])
+        return Step(to_session=[session_start(o.fmt.session_rate_hz, o.speaker, o.language, o.seed)])
 
     # ---- client -> session ------------------------------------------------------------------
 
@@ -298,7 +290,8 @@ class ElevenLabsMultiTranslator:
         self.initialized = False
 
     def opening(self) -> Step:
-        return ElevenLabsTranslator(self.options).opening()
+        o = self.options
+        return Step(to_session=[session_start(o.fmt.session_rate_hz, o.speaker, o.language, o.seed)])
 
     def on_auth_timeout(self) -> Step:
         return Step(to_client=[error_frame("auth_error", "no API key received in time")], close=(1008, "no api key"))

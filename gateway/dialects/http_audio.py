@@ -32,6 +32,7 @@ import orjson
 from gateway import protocol as P
 from gateway.dialects import deepgram, elevenlabs, voices
 from gateway.dialects.audio import Encoder, OutputFormat, av_available, mp3_available, wav_stream_header
+from gateway.dialects.base import session_start
 from gateway.dialects.openai import Abort, Body, End, Head, HttpOut
 from gateway.segmenter import char_timings
 
@@ -236,15 +237,7 @@ class AudioResponder:
 
     def opening(self) -> list[dict[str, Any]]:
         r = self.req
-        start: dict[str, Any] = {"type": P.ClientType.SESSION_START.value, "sample_rate": r.fmt.session_rate_hz,
-                                 "format": P.AudioFormat.PCM16.value}
-        if r.speaker is not None:
-            start["voice"] = r.speaker
-        if r.language:
-            start["language"] = r.language
-        if r.seed is not None:
-            start["options"] = {"seed": r.seed}
-        return [start, {"type": P.ClientType.TEXT_DELTA.value, "text": r.text}, {"type": P.ClientType.TEXT_END.value}]
+        return [session_start(r.fmt.session_rate_hz, r.speaker, r.language, r.seed), {"type": P.ClientType.TEXT_DELTA.value, "text": r.text}, {"type": P.ClientType.TEXT_END.value}]
 
     def _head(self) -> list[HttpOut]:
         if self.head_sent:

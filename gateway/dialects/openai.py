@@ -20,6 +20,7 @@ import orjson
 from gateway import protocol as P
 from gateway.dialects import voices
 from gateway.dialects.audio import Encoder, OutputFormat, av_available, mp3_available, wav_stream_header
+from gateway.dialects.base import session_start
 
 PATH: Final = "/v1/audio/speech"
 RATE_HZ: Final = 24_000
@@ -206,11 +207,7 @@ class SpeechResponder:
                                else OutputFormat("pcm16", RATE_HZ))
 
     def opening(self) -> list[dict[str, Any]]:
-        start: dict[str, Any] = {"type": P.ClientType.SESSION_START.value, "sample_rate": RATE_HZ,
-                                 "format": P.AudioFormat.PCM16.value}
-        if self.body.speaker is not None:
-            start["voice"] = self.body.speaker
-        return [start,
+        return [session_start(RATE_HZ, self.body.speaker),
                 {"type": P.ClientType.TEXT_DELTA.value, "text": self.body.input},
                 {"type": P.ClientType.TEXT_END.value}]
 
