@@ -403,6 +403,9 @@ def make_checkpoint(
 
     Deterministic from ``seed``: the same call writes byte-identical files.
     """
+    from engine._compat import ensure_torch_companions
+
+    ensure_torch_companions()  # before anything imports transformers, vocos or chattts
     import torch
     from ChatTTS.model.dvae import DVAE
     from ChatTTS.model.embed import Embed
@@ -410,11 +413,6 @@ def make_checkpoint(
     from vocos.feature_extractors import MelSpectrogramFeatures
     from vocos.heads import ISTFTHead
     from vocos.models import VocosBackbone
-
-    from engine._compat import ensure_torch_companions
-
-
-    ensure_torch_companions()  # before anything imports transformers, vocos or chattts
 
     spec = SIZES[size] if isinstance(size, str) else size
     out = Path(out_dir)

@@ -143,6 +143,15 @@ def test_cli_help(command: str) -> None:
     assert "usage: voicegw" in out.stdout
 
 
+def test_cli_make_checkpoint_in_a_fresh_interpreter(tmp_path: Path) -> None:
+    """The README's `voicegw make-checkpoint`: a process of its own (the torch companions' boot
+    must run before ChatTTS and vocos are imported, not rely on an earlier import)."""
+    out = subprocess.run([sys.executable, "-m", "voicegw.cli", "make-checkpoint", "--size", "tiny",
+                          str(tmp_path / "ck")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not missing_files(tmp_path / "ck")
+
+
 def test_cli_version_and_bad_config() -> None:
     out = subprocess.run([sys.executable, "-m", "voicegw.cli", "--version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("voicegw ")
