@@ -307,8 +307,10 @@ SCHEMAS: Final[dict[ClientType, tuple[FieldSpec, ...]]] = {
                   doc="speaker: int seed or encoded speaker embedding; default: server's voice"),
         FieldSpec("sample_rate", Kind.INT, choices=SUPPORTED_SAMPLE_RATES_HZ, doc="Hz; default 24000"),
         FieldSpec("format", Kind.STR, choices=tuple(AudioFormat), doc="pcm16 (default) or mulaw"),
-        FieldSpec("language", Kind.STR, max_len=16, doc="BCP-47 tag, e.g. en, zh; informs segmentation"),
+        FieldSpec("language", Kind.STR, max_len=16, doc="BCP-47 tag, e.g. en, zh; echoed (informational)"),
         FieldSpec("options", Kind.OBJECT, doc="sampling options (see OPTION_FIELDS)"),
+        FieldSpec("idle_timeout_s", Kind.NUMBER, min=1.0, max=86_400.0,
+                  doc="idle close after this long (the smaller of it and limits.idle_timeout_s applies)"),
     ),
     ClientType.TEXT_DELTA: (
         _ID,

@@ -276,6 +276,8 @@ class Session:
         self._next_utt_id = 1
         self._send_blocked = False
         self._last_activity_s = now_s
+        self._idle_timeout_s = settings.limits.idle_timeout_s
+        """Idle close after this long: ``limits.idle_timeout_s``, or less if session.start asks."""
         lim = settings.limits
         self._messages = _TokenBucket(lim.max_messages_per_s, 2 * lim.max_messages_per_s, now_s)
         self._chars = _TokenBucket(lim.max_chars_per_s, lim.max_chars_per_s, now_s)
@@ -399,7 +401,7 @@ class Session:
         out: list[Action] = []
         if self.closed:
             return out
-        if not self._streams and now_s >= self._last_activity_s + self.settings.limits.idle_timeout_s:
+        if not self._streams and now_s >= self._last_activity_s + self._idle_timeout_s:
             self.log.info("idle: closing")
             self._close(out, P.CloseCode.NORMAL, P.CloseReason.IDLE)
             return out
@@ -484,7 +486,7 @@ class Session:
             return None
         deadlines: list[float] = []
         if not self._streams:
-            deadlines.append(self._last_activity_s + self.settings.limits.idle_timeout_s)
+            deadlines.append(self._last_activity_s + self._idle_timeout_s)
         if self.started:
             if len(self._streams) < self.settings.max_in_flight:
                 utt = self._segmenting_utterance()
@@ -520,6 +522,8 @@ class Session:
         voice = f.get("voice")
         self._voice = voice if voice != "" else None
         self._language = f.get("language")
+        self._idle_timeout_s = min(self.settings.limits.idle_timeout_s,
+                                   float(f.get("idle_timeout_s", self.settings.limits.idle_timeout_s)))
         opts = f.get("options", {})
         self._params = replace(
             SamplingParams(),
@@ -550,7 +554,7 @@ class Session:
                 "max_chars_per_s": lim.max_chars_per_s,
                 "max_messages_per_s": lim.max_messages_per_s,
                 "max_queued_utterances": lim.max_queued_utterances,
-                "idle_timeout_s": lim.idle_timeout_s,
+                "idle_timeout_s": self._idle_timeout_s,
                 "flow_window_ms": lim.flow_window_ms,
             },
             "playback_report_interval_ms": st.playback_report_interval_ms,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway import protocol as P
+from gateway.segmenter import char_timings
 
 if TYPE_CHECKING:
     from collections.abc import Sized
@@ -216,3 +217,44 @@ def token_matches(candidates: Iterable[str], tokens: Iterable[str]) -> bool:
         for t in toks:
             ok |= hmac.compare_digest(c.encode(), t.encode())
     return ok
+
+
+class Alignment:
+    """Character timing of one utterance's text, a segment at a time, for the dialects that carry
+    alignment (ElevenLabs): ``add_text`` with every piece of the utterance's text as it is sent,
+    ``started`` with the native ``segment.started`` (its ``start_char``/``end_char``), ``done``
+    with ``segment.done``'s ``samples``. ``done`` gives the characters since the previous segment
+    (the text between segments -- spaces, marks not spoken -- at the segment's start, lasting 0)
+    and the segment's own, with start and duration in ms from the segment's start: the segment's
+    measured duration shared out in proportion to speaking time (``segmenter.char_timings``; an
+    estimate inside the segment, exact at its two ends), so the spans add up to the audio sent."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._prev_end = 0
+        self._span: tuple[int, int] | None = None
+
+    def add_text(self, text: str) -> None:
+        self.text += text
+
+    def started(self, msg: dict[str, Any]) -> None:
+        self._span = (int(msg.get("start_char", 0)), int(msg.get("end_char", 0)))
+
+    def done(self, samples: int, rate_hz: int) -> tuple[list[str], list[int], list[int]] | None:
+        """(chars, start_ms, duration_ms) of the segment just done, in whole ms (the starts are the
+        rounded running sum, so the last start + duration is the segment's rounded duration)."""
+        if self._span is None:
+            return None
+        start, end = self._span
+        self._span = None
+        gap = self.text[self._prev_end:start] if start >= self._prev_end else ""
+        seg = self.text[start:end]
+        self._prev_end = max(self._prev_end, end)
+        total_ms = samples * 1000.0 / rate_hz
+        starts, durs = char_timings(seg, total_ms)
+        edges = [round(a) for a in starts] + [round(total_ms)]
+        chars = list(gap) + list(seg)
+        start_ms = [0] * len(gap) + edges[:-1]
+        dur_ms = [0] * len(gap) + [b - a for a, b in zip(edges, edges[1:], strict=False)]
+        return chars, start_ms, dur_ms
+

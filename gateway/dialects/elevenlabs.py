@@ -4,7 +4,8 @@ native session (pure).
 Client: a first message ``{"text": " ", "voice_settings"?, "generation_config"?, "xi_api_key"?}``,
 then ``{"text": "...", "flush"?: bool, "try_trigger_generation"?: bool}``, and ``{"text": ""}`` to
 end. Server: ``{"audio": base64, "isFinal": false, "normalizedAlignment": null, "alignment": null}``
-per chunk, ``{"isFinal": true}`` once everything is spoken, then close 1000. Mapping
+per chunk, ``{"audio": null, "alignment": {...}, ...}`` after each segment (``Alignment``),
+``{"isFinal": true}`` once everything is spoken, then close 1000. Mapping
 (docs/dialects/elevenlabs.md): text -> ``text.delta``; ``flush: true`` -> ``text.flush``;
 ``{"text": ""}`` -> ``text.end`` (+ barrier) -> ``isFinal`` -> close.
 """
@@ -15,7 +16,7 @@ import base64
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import parse_qs, unquote
 
@@ -24,7 +25,7 @@ import orjson
 from gateway import protocol as P
 from gateway.dialects import voices
 from gateway.dialects.audio import Encoder, OutputFormat, av_available, mp3_available
-from gateway.dialects.base import Step, Turns, session_start
+from gateway.dialects.base import Alignment, Step, Turns, session_start
 
 PATH_RE: Final = re.compile(r"^/v1/text-to-speech/([^/]{1,128})/(stream-input|multi-stream-input)$")
 MAX_CONTEXTS: Final = 5
@@ -58,7 +59,11 @@ def served_formats() -> dict[str, OutputFormat]:
 
 #: Query parameters accepted and ignored.
 IGNORED_PARAMS: Final = frozenset({"model_id", "enable_logging", "enable_ssml_parsing", "optimize_streaming_latency",
-                                   "inactivity_timeout", "sync_alignment", "auto_mode", "apply_text_normalization"})
+                                   "sync_alignment", "auto_mode", "apply_text_normalization"})
+DEFAULT_INACTIVITY_TIMEOUT_S: Final = 20
+"""ElevenLabs' default ``inactivity_timeout``: the socket closes after this long without new text."""
+MAX_INACTIVITY_TIMEOUT_S: Final = 180
+"""The largest ``inactivity_timeout`` ElevenLabs documents."""
 
 
 class HandshakeError(ValueError):
@@ -80,6 +85,9 @@ class Options:
     seed: int | None
     multi: bool = False
     """``multi-stream-input``: several contexts on the socket (``ElevenLabsMultiTranslator``)."""
+    inactivity_timeout_s: int = DEFAULT_INACTIVITY_TIMEOUT_S
+    """Close after this long without client text or audio in flight (``inactivity_timeout``; the
+    native session's ``idle_timeout_s``, so ``limits.idle_timeout_s`` caps it)."""
 
 
 def parse_request(path: str, query: str) -> Options:
@@ -111,11 +119,31 @@ def parse_request(path: str, query: str) -> Options:
     language = q.get("language_code") or None
     if language is not None and (len(language) > 16 or not re.fullmatch(r"[A-Za-z0-9-]+", language)):
         raise HandshakeError(400, "invalid_language_code", "language_code must be a language tag")
-    return Options(voice_id, speaker, fmt, language, seed, m.group(2) == "multi-stream-input")
+    timeout_s = DEFAULT_INACTIVITY_TIMEOUT_S
+    if q.get("inactivity_timeout"):
+        raw = q["inactivity_timeout"]
+        if not raw.isdigit() or not 1 <= int(raw) <= MAX_INACTIVITY_TIMEOUT_S:
+            raise HandshakeError(400, "invalid_inactivity_timeout",
+                                 f"inactivity_timeout must be an integer in 1..{MAX_INACTIVITY_TIMEOUT_S} (seconds)")
+        timeout_s = int(raw)
+    return Options(voice_id, speaker, fmt, language, seed, m.group(2) == "multi-stream-input", timeout_s)
 
 
 def _json(obj: dict[str, Any]) -> str:
     return orjson.dumps(obj).decode()
+
+
+def _start(o: Options) -> dict[str, Any]:
+    return {**session_start(o.fmt.session_rate_hz, o.speaker, o.language, o.seed),
+            "idle_timeout_s": float(o.inactivity_timeout_s)}
+
+
+def _idle_close(o: Options, cid_field: dict[str, Any]) -> Step:
+    """The native session closed idle: ElevenLabs' ``input_timeout_exceeded``, close 1008."""
+    msg = (f"Have not received a new text input within the timeout of {o.inactivity_timeout_s} seconds: "
+           'streaming input terminated. Send text in time, a keep-alive, or the end of input ("").')
+    return Step(to_client=[_json({"message": msg, "error": "input_timeout_exceeded", "code": 1008, **cid_field})],
+                close=(1008, "input_timeout_exceeded"))
 
 
 def error_frame(error: str, message: str, code: int = 1008) -> str:
@@ -137,12 +165,13 @@ class ElevenLabsTranslator:
         self.authenticated = check_key is None
         self.encoder = Encoder(options.fmt)
         self.turns = Turns()
+        self.alignment = Alignment()
         self.initialized = False
         self.ended = False
 
     def opening(self) -> Step:
         o = self.options
-        return Step(to_session=[session_start(o.fmt.session_rate_hz, o.speaker, o.language, o.seed)])
+        return Step(to_session=[_start(o)])
 
     # ---- client -> session ------------------------------------------------------------------
 
@@ -174,6 +203,7 @@ class ElevenLabsTranslator:
             self.ended = True
             return Step(to_session=self.turns.boundary("final"))
         step.to_session += self.turns.delta(text)
+        self.alignment.add_text(text)
         if msg.get("flush") is True:
             step.to_session.append({"type": P.ClientType.TEXT_FLUSH.value})
         return step
@@ -198,7 +228,12 @@ class ElevenLabsTranslator:
 
     def on_server_message(self, msg: dict[str, Any]) -> Step:
         step = Step()
-        if msg.get("type") == P.ServerType.ERROR.value:
+        mtype = msg.get("type")
+        if mtype == P.ServerType.SEGMENT_STARTED.value:
+            self.alignment.started(msg)
+        elif mtype == P.ServerType.SEGMENT_DONE.value:
+            step.to_client += _alignment_message(self.alignment, self.encoder, msg, None)
+        if mtype == P.ServerType.ERROR.value:
             step.to_client.append(error_frame(str(msg.get("code", "error")), str(msg.get("message", "")),
                                               1011 if msg.get("fatal") else 1008))
         for tag, _status in self.turns.on_server_message(msg):
@@ -211,7 +246,23 @@ class ElevenLabsTranslator:
         return step
 
     def on_server_close(self, code: int, reason: str) -> Step:
+        if reason == P.CloseReason.IDLE.value:
+            return _idle_close(self.options, {})
         return Step(close=(code, reason))
+
+
+def _alignment_message(al: Alignment, encoder: Encoder, msg: dict[str, Any], cid: str | None) -> list[str]:
+    """``segment.done`` -> one message with the segment's character alignment (``audio: null``):
+    times in ms from the segment's start, ElevenLabs' "from the start of this message's audio",
+    the segment being the span that the message times."""
+    got = al.done(int(msg.get("samples", 0)), encoder.fmt.session_rate_hz)
+    if got is None or not got[0]:
+        return []
+    a = {"chars": got[0], "charStartTimesMs": got[1], "charDurationsMs": got[2]}
+    obj: dict[str, Any] = {"audio": None, "isFinal": False, "normalizedAlignment": a, "alignment": a}
+    if cid is not None:
+        obj["contextId"] = cid
+    return [_json(obj)]
 
 
 def _first_message_key(msg: dict[str, Any]) -> str:
@@ -248,6 +299,7 @@ class _Context:
     encoder: Encoder
     uid: int | None = None
     """The native utterance carrying its text (utterance ids count utterances opened, from 1)."""
+    alignment: Alignment = field(default_factory=Alignment)
     ended: bool = False
     """``text.end`` sent (its text is complete)."""
     done: bool = False
@@ -266,14 +318,16 @@ class ElevenLabsMultiTranslator:
 
     * ``{"text": " ", "context_id", "voice_settings"?}`` opens a context; text goes to its
       utterance (``text.delta``; text for another context first ends the open one);
-      ``flush: true`` -> ``text.flush``; ``{"text": "", ...}`` is a keep-alive (nothing).
+      ``flush: true`` -> ``text.flush``; ``{"text": "", ...}`` is a keep-alive (see below).
     * ``close_context`` after a ``flush`` (the end of a turn, as Pipecat and LiveKit send it):
       ``text.end``, and ``{"isFinal": true, "contextId"}`` once its audio is all sent. Otherwise
       (an interruption, or a second ``close_context``): a barge-in of that context only (native
       ``cancel {utterance_id}``), its audio still queued dropped, ``isFinal`` right after.
     * ``close_socket``: the connection closes (1000); the session's work stops.
     * Audio: ``{"audio", "isFinal": false, "contextId", "alignment": null, "normalizedAlignment":
-      null}``; errors ``{"error", "message", "contextId"}``.
+      null}``; after each segment its alignment (``audio: null``); errors ``{"error", "message",
+      "contextId"}``. ``{"text": ""}`` (a keep-alive) is a native ``ping``: it holds off the idle
+      close (``inactivity_timeout``).
     """
 
     def __init__(self, options: Options, check_key: Callable[[str], bool] | None = None) -> None:
@@ -291,7 +345,7 @@ class ElevenLabsMultiTranslator:
 
     def opening(self) -> Step:
         o = self.options
-        return Step(to_session=[session_start(o.fmt.session_rate_hz, o.speaker, o.language, o.seed)])
+        return Step(to_session=[_start(o)])
 
     def on_auth_timeout(self) -> Step:
         return Step(to_client=[error_frame("auth_error", "no API key received in time")], close=(1008, "no api key"))
@@ -354,12 +408,15 @@ class ElevenLabsMultiTranslator:
                 step.to_session.append({"type": P.ClientType.TEXT_DELTA.value, "text": text, "id": f"open:{ctx.n}"})
             else:
                 step.to_session.append({"type": P.ClientType.TEXT_DELTA.value, "text": text})
+            ctx.alignment.add_text(text)
             self.open = ctx
             ctx.flushed = False
         if msg.get("flush") is True:
             ctx.flushed = True
             if self.open is ctx:
                 step.to_session.append({"type": P.ClientType.TEXT_FLUSH.value})
+        if not step.to_session:  # a keep-alive (``{"text": ""}``) keeps the session from idling
+            step.to_session.append({"type": P.ClientType.PING.value})
         return step
 
     def _end(self, ctx: _Context) -> Step:
@@ -424,7 +481,14 @@ class ElevenLabsMultiTranslator:
     def on_server_message(self, msg: dict[str, Any]) -> Step:
         mtype = msg.get("type")
         step = Step()
-        if mtype == P.ServerType.UTTERANCE_DONE.value:
+        if mtype in (P.ServerType.SEGMENT_STARTED.value, P.ServerType.SEGMENT_DONE.value):
+            ctx = self.by_uid.get(int(msg.get("utterance_id", 0)))
+            if ctx is not None and not ctx.barged:
+                if mtype == P.ServerType.SEGMENT_STARTED.value:
+                    ctx.alignment.started(msg)
+                else:
+                    step.to_client += _alignment_message(ctx.alignment, ctx.encoder, msg, ctx.cid)
+        elif mtype == P.ServerType.UTTERANCE_DONE.value:
             ctx = self.by_uid.get(int(msg.get("utterance_id", 0)))
             if ctx is not None:
                 ctx.done = True
@@ -457,4 +521,6 @@ class ElevenLabsMultiTranslator:
         return step
 
     def on_server_close(self, code: int, reason: str) -> Step:
+        if reason == P.CloseReason.IDLE.value:
+            return _idle_close(self.options, {})
         return Step(close=(code, reason))

@@ -11,7 +11,7 @@ import pytest
 from gateway import protocol as P
 from gateway.dialects import deepgram, elevenlabs, openai, voices
 from gateway.dialects.audio import Encoder, OutputFormat, alaw_decode, alaw_encode, mp3_available
-from gateway.dialects.base import Turns
+from gateway.dialects.base import Alignment, Turns
 from gateway.dialects.front import classify
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "dialects"
@@ -67,6 +67,25 @@ def test_turns_cancel_drops_boundaries_until_cancelled():
     t.on_cancelled()
     assert t.on_server_message({"type": "pong", "id": b2[1]["id"]}) == []
     assert t.on_server_message({"type": "utterance.done", "status": "ok"}) == [("two", "ok")]
+
+
+def test_alignment_covers_the_text_and_the_audio_segment_by_segment():
+    al = Alignment()
+    for piece in ("  Hello there.  ", "How are", " you?"):
+        al.add_text(piece)
+    text = al.text
+    spans = [(2, 14), (16, 28)]  # the segments the segmenter cut (whitespace-trimmed)
+    assert [text[a:b] for a, b in spans] == ["Hello there.", "How are you?"]
+    got = []
+    for (a, b), samples in zip(spans, (24_000, 12_001), strict=True):
+        al.started({"start_char": a, "end_char": b})
+        chars, starts, durs = al.done(samples, 24_000)
+        assert len(chars) == len(starts) == len(durs) and starts[0] == 0
+        assert starts[-1] + durs[-1] == round(samples / 24)  # the span is the segment's audio
+        assert all(t1 == t0 + d for t0, t1, d in zip(starts, starts[1:], durs, strict=False))
+        got += chars
+    assert "".join(got) == text.rstrip()  # the gaps ride at the next segment's start, length 0
+    assert al.done(100, 24_000) is None  # no segment started
 
 
 def test_voices():

@@ -170,3 +170,37 @@ async def test_official_sdk_default_mp3(counting_engine: CountingEngine, make_ga
         assert rate == 44_100
         expected = counting_engine.total_samples * 44_100 / next(iter(counting_engine.rates))
         assert -2 <= samples - expected <= 3 * 1152 + 1105
+
+
+async def test_alignment_per_segment_and_inactivity_timeout(fake_engine: FakeSpeechEngine,
+                                                             make_gateway: GatewayFactory):
+    async with make_gateway(fake_engine) as server:
+        text = ["Hello there. ", "This is the gateway, ", "speaking in segments!"]
+        got, audio, code = await _session(_url(server, output_format="pcm_24000"),
+                                          [{"text": " "}, *({"text": t} for t in text), {"text": ""}])
+        assert code == 1000 and got[-1] == {"isFinal": True}
+        timed = [m for m in got if m.get("alignment")]
+        assert len(timed) >= 2  # one per segment, after its audio
+        for m in timed:
+            a = m["alignment"]
+            assert m["audio"] is None and m["normalizedAlignment"] == a and m["isFinal"] is False
+            assert len(a["chars"]) == len(a["charStartTimesMs"]) == len(a["charDurationsMs"])
+            assert a["charStartTimesMs"][0] == 0 and all(isinstance(t, int) for t in a["charStartTimesMs"])
+            assert all(t1 == t0 + d for t0, t1, d in zip(a["charStartTimesMs"], a["charStartTimesMs"][1:],
+                                                           a["charDurationsMs"], strict=False))
+        # the characters are the text; each message's span is its segment's audio (times restart at 0)
+        assert "".join(c for m in timed for c in m["alignment"]["chars"]) == "".join(text)
+        span_ms = sum(m["alignment"]["charStartTimesMs"][-1] + m["alignment"]["charDurationsMs"][-1] for m in timed)
+        assert abs(span_ms - len(audio) / 2 / 24) <= len(timed)  # whole ms per segment
+
+        # inactivity_timeout: no new text for that long -> input_timeout_exceeded, close 1008
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        got, audio, code = await _session(_url(server, output_format="pcm_24000", inactivity_timeout="1"),
+                                          [{"text": " "}, {"text": "Hi there."}])
+        assert audio and code == 1008 and got[-1]["error"] == "input_timeout_exceeded"
+        assert 1.0 <= loop.time() - t0 < 6.0
+        with pytest.raises(InvalidStatus) as exc:
+            await connect(_url(server, output_format="pcm_24000", inactivity_timeout="0"))
+        assert exc.value.response.status_code == 400
+        assert orjson.loads(exc.value.response.body)["detail"]["status"] == "invalid_inactivity_timeout"

@@ -117,3 +117,26 @@ async def test_context_limit_and_voice_settings_in_any_message(fake_engine: Fake
         await _send(ws, close_socket=True)
         await asyncio.wait_for(ws.wait_closed(), 10)
         assert ws.close_code == 1000
+
+
+async def test_keep_alives_hold_the_socket_past_inactivity_timeout(fake_engine: FakeSpeechEngine,
+                                                                   make_gateway: GatewayFactory) -> None:
+    url = f"ws://127.0.0.1:{{}}/v1/text-to-speech/{RACHEL}/multi-stream-input?output_format=pcm_16000&inactivity_timeout=1"
+    async with make_gateway(fake_engine) as server, connect(url.format(server.port)) as ws:
+        await _send(ws, text=" ", context_id="a")
+        for _ in range(6):  # 2.4 s of keep-alives, as Pipecat sends them between turns
+            await asyncio.sleep(0.4)
+            await _send(ws, text="", context_id="a")
+        await _send(ws, text="Still here. ", context_id="a", flush=True)
+        await _send(ws, context_id="a", close_context=True)
+        got: dict[str, bytearray] = {}
+        seen = await _until_final(ws, "a", got, within_s=10)
+        assert got["a"]
+        timed = [m for m in seen if m.get("alignment")]
+        assert timed and all(m["contextId"] == "a" for m in timed)
+        assert "".join(c for m in timed for c in m["alignment"]["chars"]) == "Still here."
+        # then silence: the socket closes after inactivity_timeout
+        msg = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        assert msg["error"] == "input_timeout_exceeded"
+        await asyncio.wait_for(ws.wait_closed(), 5)
+        assert ws.close_code == 1008

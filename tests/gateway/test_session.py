@@ -377,6 +377,16 @@ def test_idle_timeout():
     assert h.timer(5.0) == [Close(P.CloseCode.NORMAL, P.CloseReason.IDLE)]
 
 
+def test_idle_timeout_asked_by_the_session_is_capped_by_the_limit():
+    h = Harness(limits={"idle_timeout_s": 5})
+    assert h.start(idle_timeout_s=2)["limits"]["idle_timeout_s"] == 2.0
+    assert h.timer(1.9) == []
+    assert h.timer(2.0) == [Close(P.CloseCode.NORMAL, P.CloseReason.IDLE)]
+    h = Harness(limits={"idle_timeout_s": 5})
+    assert h.start(idle_timeout_s=60)["limits"]["idle_timeout_s"] == 5.0
+    assert h.s.next_deadline_s(0.0) == 5.0
+
+
 def test_first_segment_timer():
     h = Harness(segmenter=SegmenterConfig(first_wait_ms=300))
     h.start()
