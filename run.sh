@@ -43,6 +43,19 @@ case "$cmd" in
         echo "run.sh: chromium missing and cannot apt-get it (not root): the browser test will fail" >&2
       fi
     fi
+    # The released third-party clients (Pipecat, LiveKit Agents, the vendors' SDKs) in a venv of
+    # their own (LiveKit's pins clash with the gateway's): tests/frameworks drives them.
+    FW=${VOICEGW_FRAMEWORKS_VENV:-.venv-frameworks}
+    fw_stamp="$FW/.frameworks-$(sha256sum tests/frameworks/requirements.txt | cut -c1-16)"
+    if [ ! -f "$fw_stamp" ]; then
+      echo "run.sh: installing the third-party clients (tests/frameworks/requirements.txt) into $FW" >&2
+      [ -x "$FW/bin/python" ] || "$PY" -m venv "$FW"
+      "$FW/bin/python" -m pip install -q --no-cache-dir --upgrade pip >&2
+      "$FW/bin/python" -m pip install -q --no-cache-dir -r tests/frameworks/requirements.txt >&2
+      rm -f "$FW"/.frameworks-*
+      touch "$fw_stamp"
+    fi
+    export VOICEGW_FRAMEWORKS_PYTHON="$PWD/$FW/bin/python"
     exec python -m pytest "$@"
     ;;
   lint)
