@@ -23,10 +23,10 @@ import orjson
 import websockets
 from websockets.asyncio.client import ClientConnection
 
+from clients.python.playout import ClockedPlayout
 from gateway import protocol as P
 from loadtest.netguard import check_local_url
 from loadtest.plan import MAX_UTTERANCES_PER_SESSION, SessionPlan, UtterancePlan, tokenize
-from loadtest.playback import JitterBuffer
 
 #: Client playback report period (browsers report about every 250 ms).
 REPORT_PERIOD_S = 0.25
@@ -124,7 +124,7 @@ class _Session:
         self.t0 = t0
         self.hard_end = min(hard_end, t0 + plan.end_s)
         self.rec = SessionRecord(plan.session_id, plan.role, t0)
-        self.jb = JitterBuffer(plan.sample_rate_hz)
+        self.jb = ClockedPlayout(plan.sample_rate_hz)
         self.rng = random.Random(plan.seed)
         self.ws: ClientConnection | None = None
         self.cur: UtteranceRecord | None = None
@@ -185,7 +185,7 @@ class _Session:
         seg.t_last_audio = now
         seg.samples += samples
         if self.plan.instant_playback:
-            self.jb.played_samples += samples  # a consumer as fast as the wire (throughput runs)
+            self.jb.play_at_once(samples)  # a consumer as fast as the wire (throughput runs)
         else:
             self.jb.push(now, samples)
 

@@ -126,3 +126,139 @@ class Playout:
             state=self.state,
             drained=drained,
         )
+
+
+@dataclass
+class Underrun:
+    """One underrun of a ``ClockedPlayout``: from when the buffer ran dry to when playback resumed
+    (or the utterance's audio ended); times on the playout's clock, in s."""
+
+    start_s: float
+    end_s: float | None = None
+
+    @property
+    def duration_ms(self) -> float:
+        return 0.0 if self.end_s is None else (self.end_s - self.start_s) * 1000.0
+
+
+class ClockedPlayout:
+    """A ``Playout`` drained in real time by a clock instead of an audio device: the load test's
+    simulated listener (the same buffer rules as the Python client's player and the browser's
+    worklet), with each underrun timed. ``advance(now_s)`` plays up to ``now_s``; every event
+    first advances to its time. Pure (times are passed in)."""
+
+    def __init__(self, rate_hz: int, prebuffer_ms: float = 80.0, step_ms: float = 20.0,
+                 max_target_ms: float = 300.0) -> None:
+        self.playout = Playout(rate_hz, prebuffer_ms=prebuffer_ms, step_ms=step_ms, max_target_ms=max_target_ms)
+        self.rate_hz = rate_hz
+        self.underruns: list[Underrun] = []
+        self._clock_s: float | None = None
+        self._frac = 0.0
+
+    # ---- queries
+
+    @property
+    def played_samples(self) -> int:
+        """Real samples played since the start (the ``playback`` report's ``played_samples``)."""
+        return self.playout.played
+
+    @property
+    def queued_samples(self) -> int:
+        return self.playout.buffered
+
+    @property
+    def buffered_ms(self) -> float:
+        return self.playout.buffered_ms
+
+    @property
+    def playing(self) -> bool:
+        return self.playout.state == "playing"
+
+    @property
+    def target_ms(self) -> float:
+        return self.playout.target_ms
+
+    @property
+    def underrun_count(self) -> int:
+        return len(self.underruns)
+
+    @property
+    def open_underrun(self) -> Underrun | None:
+        """The underrun in progress, if any."""
+        return self.underruns[-1] if self.underruns and self.underruns[-1].end_s is None else None
+
+    def underrun_ms(self, now_s: float | None = None) -> float:
+        """Silence heard because of underruns (an open one counts up to ``now_s``)."""
+        return sum(u.duration_ms if u.end_s is not None
+                   else (max(0.0, now_s - u.start_s) * 1000.0 if now_s is not None else 0.0)
+                   for u in self.underruns)
+
+    def drained_at(self) -> float | None:
+        """When what is buffered will have played out (if playing); None while waiting to start."""
+        if self._clock_s is None:
+            return None
+        if not self.playing:
+            return None if self.playout.buffered else self._clock_s
+        return self._clock_s + self.playout.buffered / self.rate_hz
+
+    # ---- events
+
+    def advance(self, now_s: float) -> None:
+        """Play from the clock's last time up to ``now_s``."""
+        if self._clock_s is None or now_s <= self._clock_s:
+            if self._clock_s is None:
+                self._clock_s = now_s
+            return
+        t1, self._clock_s = self._clock_s, now_s
+        exact = (now_s - t1) * self.rate_hz + self._frac
+        n = int(exact)
+        self._frac = exact - n
+        if n <= 0:
+            return
+        before = self.playout.underruns
+        got, _ = self.playout.pull(n)
+        if got and self.open_underrun is not None:
+            self.open_underrun.end_s = t1  # playback resumed at the start of this interval
+        if self.playout.underruns > before:
+            self.underruns.append(Underrun(t1 + got / self.rate_hz))
+        if not self.playing:
+            self._frac = 0.0
+
+    def begin_utterance(self, now_s: float) -> None:
+        """An utterance starts: its audio is awaited (running dry inside it is an underrun)."""
+        self.advance(now_s)
+
+    def push(self, now_s: float, samples: int) -> None:
+        self.advance(now_s)
+        self.playout.push(samples)
+        self._maybe_start(now_s)
+
+    def _maybe_start(self, now_s: float) -> None:
+        self.playout.pull(0)  # starts playback if the target is buffered (or the audio complete)
+        if self.playing and self.open_underrun is not None:
+            self.open_underrun.end_s = now_s
+
+    def play_at_once(self, samples: int) -> None:
+        """A listener as fast as the wire (throughput runs): the samples count as played at once."""
+        self.playout.written += samples
+        self.playout.read += samples
+        self.playout.played += samples
+
+    def end_of_audio(self, now_s: float) -> None:
+        """The utterance delivers no more audio (``utterance.done``): what is buffered plays out,
+        and running dry after it is a drain, not an underrun."""
+        self.advance(now_s)
+        self.playout.end()
+        self._maybe_start(now_s)
+        if self.open_underrun is not None:
+            self.open_underrun.end_s = now_s
+
+    def cancel(self, now_s: float) -> int:
+        """Barge-in: drop what is buffered; returns the samples dropped."""
+        self.advance(now_s)
+        dropped = self.playout.buffered
+        self.playout.cancel()
+        self._frac = 0.0
+        if self.open_underrun is not None:
+            self.open_underrun.end_s = now_s
+        return dropped

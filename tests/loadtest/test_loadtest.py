@@ -1,4 +1,4 @@
-"""loadtest: pure parts (jitter buffer, plans, metrics, host guard) and tiny bounded runs
+"""loadtest: pure parts (the simulated listener's playout, plans, metrics, host guard) and tiny bounded runs
 against a gateway subprocess serving the fake engine (each run ~10 s)."""
 
 from __future__ import annotations
@@ -10,19 +10,19 @@ from pathlib import Path
 
 import pytest
 
+from clients.python.playout import ClockedPlayout
 from loadtest.metrics import compute, summarize
 from loadtest.netguard import NotLocalError, check_local_url
 from loadtest.plan import MAX_SESSIONS, ScenarioParams, build_plans, split_plans, tokenize
-from loadtest.playback import JitterBuffer
 
 RATE = 24_000
 
 
-# ----------------------------------------------------------------------------- jitter buffer
+# ----------------------------------------------------------------------------- simulated listener
 
 
 def test_jitter_buffer_prebuffers_then_plays_in_real_time() -> None:
-    jb = JitterBuffer(RATE, prebuffer_ms=80.0)
+    jb = ClockedPlayout(RATE, prebuffer_ms=80.0)
     jb.begin_utterance(0.0)
     jb.push(0.0, RATE // 20)  # 50 ms < prebuffer: not playing yet
     jb.advance(1.0)
@@ -34,7 +34,7 @@ def test_jitter_buffer_prebuffers_then_plays_in_real_time() -> None:
 
 
 def test_jitter_buffer_counts_underruns_only_while_audio_is_expected() -> None:
-    jb = JitterBuffer(RATE, prebuffer_ms=80.0, underrun_step_ms=20.0)
+    jb = ClockedPlayout(RATE, prebuffer_ms=80.0, step_ms=20.0)
     jb.begin_utterance(0.0)
     jb.push(0.0, RATE // 10)  # 100 ms
     jb.advance(0.3)  # dry at 0.1 while expecting more: underrun
@@ -50,7 +50,7 @@ def test_jitter_buffer_counts_underruns_only_while_audio_is_expected() -> None:
 
 
 def test_jitter_buffer_short_clip_and_cancel() -> None:
-    jb = JitterBuffer(RATE, prebuffer_ms=80.0)
+    jb = ClockedPlayout(RATE, prebuffer_ms=80.0)
     jb.begin_utterance(0.0)
     jb.push(0.0, RATE // 50)  # 20 ms clip, below the prebuffer
     jb.end_of_audio(0.1)
@@ -62,7 +62,7 @@ def test_jitter_buffer_short_clip_and_cancel() -> None:
     jb.advance(1.5)
     dropped = jb.cancel(1.5)
     assert dropped == pytest.approx(RATE // 2 - RATE // 10 * 0 - int(0.08 * RATE) * 0, abs=RATE // 5)
-    assert jb.queued_samples == 0 and not jb.playing and not jb.expecting
+    assert jb.queued_samples == 0 and not jb.playing
 
 
 # ----------------------------------------------------------------------------- plans

@@ -2,7 +2,7 @@
 
 A stream from an engine at ``rate_x`` times real time is decoded by ``ChunkPolicy`` (lazy pull:
 the policy is consulted when a step arrives or a forward returns; one forward in flight, each
-taking ``decode_ms`` plus a periodic jitter), and played by the load test's ``JitterBuffer``
+taking ``decode_ms`` plus a periodic jitter), and played by the load test's ``ClockedPlayout``
 (80 ms prebuffer, like the browser client). The old rule (chunk size doubling with the audio
 emitted, ``lead_steps=None``) underruns at every stream start once the engine is under 2x real
 time (the H200 gateway runs: bench/results/gpu-2026-11-30); following the stream's lead does not.
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
+from clients.python.playout import ClockedPlayout
 from engine.api import NATIVE_SAMPLE_RATE_HZ, SAMPLES_PER_STEP
 from engine.decoder.window import ChunkPolicy, StreamLead
-from loadtest.playback import JitterBuffer
 
 STEP_S = SAMPLES_PER_STEP / NATIVE_SAMPLE_RATE_HZ
 
@@ -24,7 +24,7 @@ def simulate(rate_x: float, lead_aware: bool, lookahead: int, *, steps: int = 60
     """Underruns heard, and the audible steps of each chunk."""
     policy = ChunkPolicy(first_chunk_steps=6, chunk_steps=16, lookahead_steps=lookahead)
     lead = StreamLead(STEP_S)
-    jb = JitterBuffer(NATIVE_SAMPLE_RATE_HZ)
+    jb = ClockedPlayout(NATIVE_SAMPLE_RATE_HZ)
     jb.begin_utterance(0.0)
     arrivals = [ttft_s + k * STEP_S / rate_x for k in range(steps)]
     received = decoded = audible_done = pushes = 0
