@@ -1,8 +1,11 @@
-"""A gateway in a subprocess for a load test run, with the engine and policy asked for.
+"""The gateway in a subprocess, with the engine and policy asked for: the one launcher of the
+load test, the benchmarks and the tests that need a gateway process of its own.
 
 ``ServerProcess(engine, policy=...)`` starts ``python -m loadtest.serve ...`` (127.0.0.1, a
 free port), waits for its ``READY <ws-url>`` line, samples the RSS of its process tree (the
-vLLM engine core is a child process) and stops it on exit (SIGTERM, then SIGKILL).
+vLLM engine core is a child process) and stops it on exit (SIGTERM to its process group, then
+SIGKILL). ``start``/``stop`` outside ``with``; ``kill`` is a crash from outside (SIGKILL to the
+group); ``healthz``, ``alive``, ``port`` and ``pid`` for tests.
 
 Engines: ``fake`` (the gateway tests' sine-tone double, ``tests/gateway/fakes.py``: needs the
 source tree), ``sim`` (``loadtest.simengine``: vLLM-like batch scheduling without a model), ``vllm`` (``engine.factory`` code engine + ``engine.speech.ChatTTSSpeech``, as ``voicegw
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import os
 import select
 import signal
@@ -24,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -58,6 +62,10 @@ class ServerProcess:
         self.start_s = 0.0
 
     def __enter__(self) -> ServerProcess:
+        self.start()
+        return self
+
+    def start(self) -> None:
         cmd = [sys.executable, "-m", "loadtest.serve", "--engine", self.engine, "--policy", self.policy]
         if self.model_dir:
             cmd += ["--model-dir", self.model_dir]
@@ -67,7 +75,7 @@ class ServerProcess:
             cmd += ["--slack-ms", str(self.slack_ms)]
         for k, v in self.overrides.items():
             cmd += ["--set", f"{k}={v}"]
-        self._log_file = open(self.log_path, "w")  # noqa: SIM115 - closed in __exit__
+        self._log_file = open(self.log_path, "a")  # noqa: SIM115 - closed in stop()
         env = dict(os.environ)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         root = str(Path(__file__).resolve().parent.parent)
@@ -88,7 +96,46 @@ class ServerProcess:
         self.sampler = RssSampler(self.proc.pid).start()
         self.sampler.sample()
         self.rss_idle_bytes = self.sampler.last_bytes
-        return self
+
+    @property
+    def ws_url(self) -> str:
+        return self.url
+
+    @property
+    def http_url(self) -> str:
+        return "http" + self.url[2:].rsplit("/", 1)[0]
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1].split("/", 1)[0])
+
+    @property
+    def pid(self) -> int:
+        """The gateway's process (vLLM's engine core and the decoder are its children)."""
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthz(self) -> tuple[int, dict[str, Any]]:
+        import json
+
+        try:
+            with urllib.request.urlopen(self.http_url + "/healthz", timeout=5) as r:
+                return int(r.status), json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return int(e.code), json.loads(e.read())
+
+    def kill(self) -> None:
+        """SIGKILL the gateway and every process it started (a crashed host, from outside)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+        self.stop()
 
     def _wait_ready(self) -> str:
         assert self.proc is not None and self.proc.stdout is not None
@@ -120,6 +167,11 @@ class ServerProcess:
         }
 
     def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> int | None:
+        """SIGTERM (graceful shutdown), SIGKILL after 15 s; returns the exit code."""
+        rc: int | None = None
         if self.sampler is not None:
             self.sampler.sample()
             self.sampler.stop()
@@ -137,11 +189,16 @@ class ServerProcess:
                 except ProcessLookupError:
                     pass
                 proc.wait(5)
-        if proc is not None and proc.stdout is not None:
-            proc.stdout.close()
+        if proc is not None:
+            rc = proc.returncode
+            if proc.stdout is not None:
+                proc.stdout.close()
+        self.proc = None
+        self.sampler = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        return rc
 
 
 def _tail(path: Path, n: int = 30) -> str:
@@ -157,7 +214,7 @@ def _tail(path: Path, n: int = 30) -> str:
 def _build_config(args: argparse.Namespace) -> Any:
     from voicegw.config import load_config
 
-    overrides: dict[str, Any] = {"gateway.host": "127.0.0.1", "gateway.port": 0,
+    overrides: dict[str, Any] = {"gateway.host": "127.0.0.1", "gateway.port": 0, "gateway.shutdown_grace_s": 1.0,
                                  "engine.scheduling_policy": "fcfs" if args.policy == "fcfs" else "priority"}
     if args.engine in ("vllm", "espeak"):
         overrides["engine.backend"] = args.engine
@@ -208,9 +265,10 @@ def generated_model_dir(size: Literal["tiny", "small"] = "tiny") -> str:
 
 
 async def _child(args: argparse.Namespace) -> None:
-    from engine._compat import ensure_torch_companions
+    if args.engine in ("vllm", "native", "espeak"):
+        from engine._compat import ensure_torch_companions
 
-    ensure_torch_companions()  # before anything imports transformers, vocos or chattts
+        ensure_torch_companions()  # before anything imports transformers, vocos or chattts
     from gateway.app import serve
 
     if args.engine in ("vllm", "native") and not args.model_dir:
@@ -236,7 +294,6 @@ async def _child(args: argparse.Namespace) -> None:
     def ready(server: Any) -> None:
         print(READY_PREFIX + server.ws_url, flush=True)
 
-    cfg = dataclasses.replace(cfg, gateway=dataclasses.replace(cfg.gateway, shutdown_grace_s=1.0))
     try:
         await serve(cfg, eng, stop=stop, priority_fn=priority_fn, on_ready=ready)
     finally:

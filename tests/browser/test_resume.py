@@ -74,7 +74,8 @@ class RestartableGateway:
         self.proc = GatewayProcess(
             "vllm", model_dir=self.model_dir, start_timeout_s=300, log_path=self.log_path,
             settings={"gateway.port": self.port, "engine.kv_cache_gib": 0.25, "engine.max_num_seqs": 8,
-                      "engine.max_model_len": MAX_MODEL_LEN, "engine.default_speaker": "2222"},
+                      "engine.max_model_len": MAX_MODEL_LEN, "engine.default_speaker": "2222",
+                      "gateway.shutdown_grace_s": 5.0},
         )
         self.proc.start()
         self.start_s.append(time.monotonic() - t0)
