@@ -102,27 +102,53 @@ class ErrorCode(enum.StrEnum):
     INTERNAL_ERROR = "internal_error"
 
 
-#: The one text a client ever sees per error code (never exception text).
-ERROR_MESSAGES: Final[dict[ErrorCode, str]] = {
-    ErrorCode.INVALID_JSON: "message is not valid JSON",
-    ErrorCode.INVALID_MESSAGE: 'message must be a JSON object with a string "type"',
-    ErrorCode.UNKNOWN_TYPE: "unknown message type",
-    ErrorCode.INVALID_FIELD: "a field is missing, unknown, of the wrong type or out of range",
-    ErrorCode.BINARY_NOT_ALLOWED: "binary messages are not accepted from clients",
-    ErrorCode.SESSION_NOT_STARTED: "send session.start first",
-    ErrorCode.SESSION_ALREADY_STARTED: "session already started",
-    ErrorCode.TEXT_TOO_LONG: "utterance text over the limit; the delta was dropped",
-    ErrorCode.RATE_LIMITED: "text rate over the limit; the delta was dropped",
-    ErrorCode.QUEUE_FULL: "too many utterances waiting to be spoken; the delta was dropped",
-    ErrorCode.SHUTTING_DOWN: "server is shutting down; no new utterances",
-    ErrorCode.ENGINE_OVERLOADED: "speech engine at capacity; the utterance was stopped",
-    ErrorCode.ENGINE_ERROR: "speech engine failed on this utterance; the utterance was stopped",
-    ErrorCode.ENGINE_UNAVAILABLE: "speech engine unavailable; the session is closed",
-    ErrorCode.INTERNAL_ERROR: "internal error; the session is closed",
+@dataclass(frozen=True)
+class ErrorSpec:
+    """What one error code means everywhere: the native ``error`` message and every dialect."""
+
+    message: str
+    """The one text a client ever sees for it (never exception text)."""
+    http_status: int
+    """What the HTTP dialects answer when it comes before any audio was sent."""
+    fatal: bool = False
+    """The session closes after it (1011 ``INTERNAL_ERROR``); otherwise it stays usable."""
+
+
+#: THE error table: the native protocol, the WebSocket dialects and the HTTP dialects take their
+#: texts, statuses and fatality from here (tests/gateway/test_protocol.py keeps it complete).
+ERRORS: Final[dict[ErrorCode, ErrorSpec]] = {
+    ErrorCode.INVALID_JSON: ErrorSpec("message is not valid JSON", 400),
+    ErrorCode.INVALID_MESSAGE: ErrorSpec('message must be a JSON object with a string "type"', 400),
+    ErrorCode.UNKNOWN_TYPE: ErrorSpec("unknown message type", 400),
+    ErrorCode.INVALID_FIELD: ErrorSpec("a field is missing, unknown, of the wrong type or out of range", 400),
+    ErrorCode.BINARY_NOT_ALLOWED: ErrorSpec("binary messages are not accepted from clients", 400),
+    ErrorCode.SESSION_NOT_STARTED: ErrorSpec("send session.start first", 400),
+    ErrorCode.SESSION_ALREADY_STARTED: ErrorSpec("session already started", 400),
+    ErrorCode.TEXT_TOO_LONG: ErrorSpec("utterance text over the limit; the delta was dropped", 400),
+    ErrorCode.RATE_LIMITED: ErrorSpec("text rate over the limit; the delta was dropped", 429),
+    ErrorCode.QUEUE_FULL: ErrorSpec("too many utterances waiting to be spoken; the delta was dropped", 429),
+    ErrorCode.SHUTTING_DOWN: ErrorSpec("server is shutting down; no new utterances", 503),
+    ErrorCode.ENGINE_OVERLOADED: ErrorSpec("speech engine at capacity; the utterance was stopped", 503),
+    ErrorCode.ENGINE_ERROR: ErrorSpec("speech engine failed on this utterance; the utterance was stopped", 500),
+    ErrorCode.ENGINE_UNAVAILABLE: ErrorSpec("speech engine unavailable; the session is closed", 503, fatal=True),
+    ErrorCode.INTERNAL_ERROR: ErrorSpec("internal error; the session is closed", 500, fatal=True),
 }
 
+#: The one text a client ever sees per error code (never exception text).
+ERROR_MESSAGES: Final[dict[ErrorCode, str]] = {c: e.message for c, e in ERRORS.items()}
+
 #: Errors after which the server closes the session (all others leave it usable).
-FATAL_ERRORS: Final = frozenset({ErrorCode.ENGINE_UNAVAILABLE, ErrorCode.INTERNAL_ERROR})
+FATAL_ERRORS: Final = frozenset(c for c, e in ERRORS.items() if e.fatal)
+
+
+def error_spec(code: str) -> tuple[ErrorCode, ErrorSpec]:
+    """A code as the session sent it -> its table entry (an unknown one: ``internal_error``)."""
+    try:
+        c = ErrorCode(code)
+    except ValueError:
+        c = ErrorCode.INTERNAL_ERROR
+    return c, ERRORS[c]
+
 
 
 class CloseCode(enum.IntEnum):
@@ -144,6 +170,18 @@ class CloseCode(enum.IntEnum):
     """Server shutting down (a restart or deploy): reconnect with backoff and resume."""
     TRY_AGAIN_LATER = 1013
     """Over ``limits.max_sessions`` (a race past the door's 503): reconnect with backoff."""
+
+
+ABNORMAL_CLOSE: Final = 1006
+"""Never sent (not a ``CloseCode``): the connection was lost without a close frame."""
+
+#: Close codes -> (HTTP status, error code) for an HTTP dialect whose session closed before any
+#: audio was sent.
+CLOSE_HTTP: Final[dict[int, tuple[int, str]]] = {
+    CloseCode.SERVICE_RESTART: (503, "shutting_down"),
+    CloseCode.TRY_AGAIN_LATER: (503, "over_capacity"),
+    CloseCode.INTERNAL_ERROR: (500, "internal_error"),
+}
 
 
 class CloseReason(enum.StrEnum):

@@ -432,7 +432,7 @@ class _Connection:
         """The code this server closed with, else the one the client sent (1006: none)."""
         if self.close_req is not None:
             return int(self.close_req.code)
-        return self.ws.close_code or 1006
+        return self.ws.close_code or P.ABNORMAL_CLOSE
 
     # ---- main loops ---------------------------------------------------------------------
 

@@ -142,7 +142,7 @@ class DeepgramTranslator:
             return Step(to_session=[{"type": P.ClientType.CANCEL.value, "played_samples": self.delivered_samples}])
         if mtype == "Close":  # Deepgram closes at once: what is still generating is dropped
             self.closing = True
-            return Step(close=(1000, ""))
+            return Step(close=(P.CloseCode.NORMAL, ""))
         return Step(to_client=[_warning("UNKNOWN_MESSAGE_TYPE", f"unknown message type {mtype!r}; expected "
                                         "Speak, Flush, Clear or Close")])
 

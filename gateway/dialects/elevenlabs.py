@@ -142,11 +142,11 @@ def _idle_close(o: Options, cid_field: dict[str, Any]) -> Step:
     """The native session closed idle: ElevenLabs' ``input_timeout_exceeded``, close 1008."""
     msg = (f"Have not received a new text input within the timeout of {o.inactivity_timeout_s} seconds: "
            'streaming input terminated. Send text in time, a keep-alive, or the end of input ("").')
-    return Step(to_client=[_json({"message": msg, "error": "input_timeout_exceeded", "code": 1008, **cid_field})],
-                close=(1008, "input_timeout_exceeded"))
+    return Step(to_client=[_json({"message": msg, "error": "input_timeout_exceeded", "code": int(P.CloseCode.POLICY_VIOLATION), **cid_field})],
+                close=(P.CloseCode.POLICY_VIOLATION, "input_timeout_exceeded"))
 
 
-def error_frame(error: str, message: str, code: int = 1008) -> str:
+def error_frame(error: str, message: str, code: int = P.CloseCode.POLICY_VIOLATION) -> str:
     """ElevenLabs' in-band error message."""
     return _json({"message": message, "error": error, "code": code})
 
@@ -191,11 +191,11 @@ class ElevenLabsTranslator:
             self.initialized = True
             if self.check_key is not None and not self.check_key(_first_message_key(msg)):
                 return Step(to_client=[error_frame("auth_error", "invalid or missing API key")],
-                            close=(1008, "invalid api key"))
+                            close=(P.CloseCode.POLICY_VIOLATION, "invalid api key"))
             self.authenticated = True
             problem = check_voice_settings(msg.get("voice_settings"))
             if problem:
-                return Step(to_client=[error_frame("invalid_voice_settings", problem)], close=(1008, problem))
+                return Step(to_client=[error_frame("invalid_voice_settings", problem)], close=(P.CloseCode.POLICY_VIOLATION, problem))
             if msg["text"] != "" and not msg["text"].strip():
                 return step  # the initial " " ("" ends the input, even as the first message)
         text: str = msg["text"]
@@ -211,7 +211,7 @@ class ElevenLabsTranslator:
     def on_auth_timeout(self) -> Step:
         """No valid key arrived in time (the handshake had none)."""
         return Step(to_client=[error_frame("auth_error", "no API key received in time")],
-                    close=(1008, "no api key"))
+                    close=(P.CloseCode.POLICY_VIOLATION, "no api key"))
 
     # ---- session -> client ------------------------------------------------------------------
 
@@ -235,14 +235,14 @@ class ElevenLabsTranslator:
             step.to_client += _alignment_message(self.alignment, self.encoder, msg, None)
         if mtype == P.ServerType.ERROR.value:
             step.to_client.append(error_frame(str(msg.get("code", "error")), str(msg.get("message", "")),
-                                              1011 if msg.get("fatal") else 1008))
+                                              P.CloseCode.INTERNAL_ERROR if msg.get("fatal") else P.CloseCode.POLICY_VIOLATION))
         for tag, _status in self.turns.on_server_message(msg):
             tail = self.encoder.flush()
             if tail:
                 step.to_client.append(self._audio(tail))
             if tag == "final":
                 step.to_client.append(_json({"isFinal": True}))
-                step.close = (1000, "")
+                step.close = (P.CloseCode.NORMAL, "")
         return step
 
     def on_server_close(self, code: int, reason: str) -> Step:
@@ -348,7 +348,7 @@ class ElevenLabsMultiTranslator:
         return Step(to_session=[_start(o)])
 
     def on_auth_timeout(self) -> Step:
-        return Step(to_client=[error_frame("auth_error", "no API key received in time")], close=(1008, "no api key"))
+        return Step(to_client=[error_frame("auth_error", "no API key received in time")], close=(P.CloseCode.POLICY_VIOLATION, "no api key"))
 
     def _error(self, error: str, message: str, cid: str | None) -> str:
         obj: dict[str, Any] = {"error": error, "message": message}
@@ -371,10 +371,10 @@ class ElevenLabsMultiTranslator:
             self.initialized = True
             if self.check_key is not None and not self.check_key(_first_message_key(msg)):
                 return Step(to_client=[self._error("auth_error", "invalid or missing API key", None)],
-                            close=(1008, "invalid api key"))
+                            close=(P.CloseCode.POLICY_VIOLATION, "invalid api key"))
             self.authenticated = True
         if msg.get("close_socket") is True:
-            return Step(close=(1000, ""))
+            return Step(close=(P.CloseCode.NORMAL, ""))
         cid = msg.get("context_id", msg.get("contextId", "default"))
         if not isinstance(cid, str) or not cid or len(cid) > 256:
             return Step(to_client=[self._error("invalid_message", "context_id must be a non-empty string", None)])
@@ -515,7 +515,7 @@ class ElevenLabsMultiTranslator:
             step.to_client.append(self._error(str(msg.get("code", "error")), str(msg.get("message", "")),
                                               ctx.cid if ctx is not None else None))
             if msg.get("fatal"):
-                step.close = (1011, "")
+                step.close = (P.CloseCode.INTERNAL_ERROR, "")
             if ctx is not None:
                 step.extend(self._maybe_final(ctx))
         return step

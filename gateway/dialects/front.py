@@ -424,7 +424,7 @@ class HttpExchange:
 
     def on_lost(self) -> None:
         if not self.done:
-            self._close_code = self._close_code or 1006
+            self._close_code = self._close_code or P.ABNORMAL_CLOSE
         if self._inbox is not None:
             self._inbox.end()
         else:
@@ -441,7 +441,7 @@ class HttpExchange:
         if self._inbox is not None and not self.done:
             self._inbox.report(self._delivered)
 
-    async def close(self, code: int = 1000, reason: str = "") -> None:
+    async def close(self, code: int = P.CloseCode.NORMAL, reason: str = "") -> None:
         if self._close_code is None:
             self._close_code = code
         await self._emit(self.responder.on_server_close(code, reason))
@@ -459,10 +459,10 @@ class HttpExchange:
                 await p.drain()
             elif isinstance(o, openai.End):
                 p.end()
-                self._finished(1000)
+                self._finished(P.CloseCode.NORMAL)
             elif isinstance(o, openai.Abort):
                 p.abort()
-                self._finished(1011)
+                self._finished(P.CloseCode.INTERNAL_ERROR)
 
     def _finished(self, code: int) -> None:
         self.done = True
@@ -476,6 +476,6 @@ class HttpExchange:
     def finish(self, abort: bool) -> None:
         """The session is over: make sure the connection is too."""
         if not self.done:
-            self._finished(1011 if abort else 1000)
+            self._finished(P.CloseCode.INTERNAL_ERROR if abort else P.CloseCode.NORMAL)
             with contextlib.suppress(Exception):
                 self.proto.abort() if abort else self.proto.end()

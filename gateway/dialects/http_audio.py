@@ -48,16 +48,6 @@ DEEPGRAM_AV: Final[dict[str, tuple[tuple[int, ...], int, int]]] = {
     "flac": ((8_000, 16_000, 22_050, 32_000, 48_000), 48_000, 0),
 }
 
-#: Native error codes -> HTTP status before any audio was sent.
-_STATUS: Final[dict[str, int]] = {
-    P.ErrorCode.TEXT_TOO_LONG.value: 400,
-    P.ErrorCode.RATE_LIMITED.value: 429,
-    P.ErrorCode.QUEUE_FULL.value: 429,
-    P.ErrorCode.SHUTTING_DOWN.value: 503,
-    P.ErrorCode.ENGINE_OVERLOADED.value: 503,
-    P.ErrorCode.ENGINE_ERROR.value: 500,
-    P.ErrorCode.ENGINE_UNAVAILABLE.value: 503,
-}
 
 
 class VendorError(Exception):
@@ -336,14 +326,13 @@ class AudioResponder:
     def on_server_close(self, code: int, reason: str) -> list[HttpOut]:
         if self.finished:
             return []
-        status = 503 if code in (int(P.CloseCode.SERVICE_RESTART), int(P.CloseCode.TRY_AGAIN_LATER)) else 500
-        return self._fail(self.req.error(status, "service_unavailable" if status == 503 else "internal_error",
-                                         reason or "the request was stopped", request_id=self.req.request_id))
+        status, ecode = P.CLOSE_HTTP.get(code, (500, "internal_error"))
+        return self._fail(self.req.error(status, ecode, reason or "the request was stopped",
+                                         request_id=self.req.request_id))
 
     def _fail_code(self, code: str) -> list[HttpOut]:
-        known = {c.value: c for c in P.ErrorCode}
-        message = P.ERROR_MESSAGES[known[code]] if code in known else "internal error"
-        return self._fail(self.req.error(_STATUS.get(code, 500), code, message, request_id=self.req.request_id))
+        c, spec = P.error_spec(code)
+        return self._fail(self.req.error(spec.http_status, c.value, spec.message, request_id=self.req.request_id))
 
     def _fail(self, err: VendorError) -> list[HttpOut]:
         self.finished = True

@@ -165,29 +165,15 @@ class Abort:
 
 HttpOut = Head | Body | End | Abort
 
-#: Native error codes -> HTTP status, OpenAI type (before any audio was sent).
-_ERRORS: Final[dict[str, tuple[int, str]]] = {
-    P.ErrorCode.TEXT_TOO_LONG.value: (400, "invalid_request_error"),
-    P.ErrorCode.RATE_LIMITED.value: (429, "rate_limit_error"),
-    P.ErrorCode.QUEUE_FULL.value: (429, "rate_limit_error"),
-    P.ErrorCode.SHUTTING_DOWN.value: (503, "server_error"),
-    P.ErrorCode.ENGINE_OVERLOADED.value: (503, "server_error"),
-    P.ErrorCode.ENGINE_ERROR.value: (500, "server_error"),
-    P.ErrorCode.ENGINE_UNAVAILABLE.value: (503, "server_error"),
-}
-_CLOSES: Final[dict[int, tuple[int, str]]] = {
-    int(P.CloseCode.SERVICE_RESTART): (503, "shutting_down"),
-    int(P.CloseCode.TRY_AGAIN_LATER): (503, "over_capacity"),
-    int(P.CloseCode.INTERNAL_ERROR): (500, "internal_error"),
-}
+def _openai_type(status: int) -> str:
+    """OpenAI's error ``type`` for an HTTP status."""
+    return "rate_limit_error" if status == 429 else "server_error" if status >= 500 else "invalid_request_error"
 
 
 def error_for_code(code: str) -> ApiError:
-    status, type_ = _ERRORS.get(code, (500, "server_error"))
-    known = {c.value: c for c in P.ErrorCode}
-    message = P.ERROR_MESSAGES[known[code]] if code in known else "internal error"
-    retry = (("Retry-After", "1"),) if status in (429, 503) else ()
-    return ApiError(status, message, type_, None, code, retry)
+    c, spec = P.error_spec(code)
+    retry = (("Retry-After", "1"),) if spec.http_status in (429, 503) else ()
+    return ApiError(spec.http_status, spec.message, _openai_type(spec.http_status), None, c.value, retry)
 
 
 def error_outputs(err: ApiError) -> list[HttpOut]:
@@ -264,7 +250,7 @@ class SpeechResponder:
     def on_server_close(self, code: int, reason: str) -> list[HttpOut]:
         if self.finished:
             return []
-        status, ecode = _CLOSES.get(code, (500, "internal_error"))
+        status, ecode = P.CLOSE_HTTP.get(code, (500, "internal_error"))
         retry = (("Retry-After", "1"),) if status == 503 else ()
         return self._fail(ApiError(status, reason or "the request was stopped", "server_error", None, ecode, retry))
 

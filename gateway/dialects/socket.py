@@ -188,7 +188,7 @@ class DialectSocket:
             try:
                 async with asyncio.timeout(_CLOSE_WAIT_S):  # the error frame must not wait on a non-reader
                     await self._carry(on_timeout() if on_timeout is not None
-                                      else Step(close=(1008, "no credentials")))
+                                      else Step(close=(P.CloseCode.POLICY_VIOLATION, "no credentials")))
             except TimeoutError:
                 self.ws.transport.abort()
             return False
@@ -202,7 +202,7 @@ class DialectSocket:
             step = self.translator.on_server_audio(header, payload)
         await self._carry(step)
 
-    async def close(self, code: int = 1000, reason: str = "") -> None:
+    async def close(self, code: int = P.CloseCode.NORMAL, reason: str = "") -> None:
         step = self.translator.on_server_close(code, reason)
         if step.close is None:
             step.close = (code, reason)

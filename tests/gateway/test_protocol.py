@@ -87,7 +87,9 @@ def test_error_field_echo_is_bounded():
 
 
 def test_every_error_code_has_fixed_text_and_fatality():
-    assert set(P.ERROR_MESSAGES) == set(P.ErrorCode)
+    assert set(P.ERRORS) == set(P.ErrorCode) == set(P.ERROR_MESSAGES)
+    assert all(400 <= e.http_status < 600 for e in P.ERRORS.values())
+    assert P.error_spec("no such code")[0] is P.ErrorCode.INTERNAL_ERROR
     assert P.FATAL_ERRORS <= set(P.ErrorCode)
     assert P.error_message(P.ErrorCode.ENGINE_UNAVAILABLE)["fatal"] is True
 
