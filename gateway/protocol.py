@@ -405,12 +405,16 @@ def _validate_fields(specs: tuple[FieldSpec, ...], obj: dict[str, Any], prefix: 
     return out
 
 
-def parse_client_message(data: str | bytes) -> ClientMessage:
-    """Parse and validate one client text frame. Raises ``ProtocolError``."""
-    try:
-        obj = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        raise ProtocolError(ErrorCode.INVALID_JSON) from None
+def parse_client_message(data: str | bytes | dict[str, Any]) -> ClientMessage:
+    """Parse and validate one client text frame, or the object a dialect's translator made (the
+    same validation: a dialect is a client like any other). Raises ``ProtocolError``."""
+    if isinstance(data, dict):
+        obj: Any = data
+    else:
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            raise ProtocolError(ErrorCode.INVALID_JSON) from None
     if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
         raise ProtocolError(ErrorCode.INVALID_MESSAGE)
     raw_id = obj.get("id")

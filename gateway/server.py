@@ -35,7 +35,6 @@ from websockets.asyncio.server import serve as ws_serve
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
-from websockets.protocol import State
 from websockets.typing import Subprotocol
 
 from engine.api import EngineError, EngineErrorKind, EngineOverloaded, SpeechEngine, SpeechRequest
@@ -58,6 +57,7 @@ from gateway.session import (
     StartStream,
     TtfaParts,
 )
+from gateway.transport import Transport
 from voicegw.config import Config
 
 log = logging.getLogger("voicegw.gateway")
@@ -126,7 +126,8 @@ class _Runner:
 @dataclass
 class _Out:
     data: bytes
-    text: bool
+    message: dict[str, Any] | None
+    """The server message ``data`` encodes (None: ``data`` is an audio frame)."""
     ttfa: TtfaParts | None = None
     utterance_id: int = 0
 
@@ -224,7 +225,7 @@ class GatewayServer:
                 await ws.wait_closed()
         except TimeoutError:
             for conn in list(self.connections):
-                conn.ws.transport.abort()
+                conn.ws.abort()
         log.info("gateway stopped")
 
     async def _all_closed(self) -> None:
@@ -365,9 +366,12 @@ class GatewayServer:
 
     # ---- connections --------------------------------------------------------------------
 
-    async def handle(self, ws: ServerConnection) -> None:
-        _fixed_library_close_reasons(ws)
-        ws = dialects.adapt(self, ws)  # a dialect connection speaks protocol v1 to _Connection
+    async def handle(self, conn_in: ServerConnection | Transport) -> None:
+        """Run one session over a WebSocket connection (native or a dialect's, by its path) or an
+        HTTP speech request already adapted (``HttpExchange``)."""
+        if isinstance(conn_in, ServerConnection):
+            _fixed_library_close_reasons(conn_in)
+        ws = dialects.adapt(self, conn_in)  # every connection as a Transport speaking protocol v1
         if len(self.connections) >= self.config.limits.max_sessions or self.draining:
             code = P.CloseCode.SERVICE_RESTART if self.draining else P.CloseCode.TRY_AGAIN_LATER
             reason = P.CloseReason.SHUTDOWN if self.draining else P.CloseReason.OVER_CAPACITY
@@ -390,7 +394,7 @@ class GatewayServer:
 
 
 class _Connection:
-    def __init__(self, server: GatewayServer, ws: ServerConnection) -> None:
+    def __init__(self, server: GatewayServer, ws: Transport) -> None:
         self.server = server
         self.ws = ws
         self.engine = server.engine
@@ -422,7 +426,7 @@ class _Connection:
         self.timer_at: float | None = None
         self.done = False
         with contextlib.suppress(Exception):
-            sock = ws.transport.get_extra_info("socket")
+            sock = ws.raw_socket()
             if sock is not None:
                 # bound kernel memory per connection too (Linux doubles the value)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, g.write_limit_bytes)
@@ -442,10 +446,10 @@ class _Connection:
         self._rearm_timer()  # the idle timer runs from the handshake, not from the first message
         try:
             async for message in self.ws:
-                if isinstance(message, str):
-                    self.dispatch(self.session.on_text_frame, message)
-                else:
+                if isinstance(message, bytes | bytearray | memoryview):
                     self.dispatch(self.session.on_binary_frame, bytes(message))
+                else:
+                    self.dispatch(self.session.on_text_frame, message)
         except ConnectionClosed:
             pass
         finally:
@@ -477,7 +481,10 @@ class _Connection:
             item = self.outbound.popleft()
             try:
                 async with asyncio.timeout(self.send_timeout_s):
-                    await ws.send(item.data, text=item.text)
+                    if item.message is not None:
+                        await ws.send_message(item.message, item.data)
+                    else:
+                        await ws.send_audio(item.data)
             except TimeoutError:
                 self.outbound.clear()
                 self.out_bytes = 0
@@ -510,8 +517,8 @@ class _Connection:
             pass
         except Exception:
             self.log.exception("close failed")
-        if abort or self.ws.state is not State.CLOSED:
-            self.ws.transport.abort()
+        if abort or not self.ws.closed:
+            self.ws.abort()
 
     # ---- events into the session, actions out -------------------------------------------
 
@@ -527,11 +534,11 @@ class _Connection:
     def _apply(self, actions: list[Action]) -> None:
         for a in actions:
             if isinstance(a, SendAudio):
-                self._enqueue(_Out(a.data, False, a.ttfa, a.utterance_id))
+                self._enqueue(_Out(a.data, None, a.ttfa, a.utterance_id))
                 self.metrics.audio_sent.inc(a.samples / self.session.rate_hz)
                 self.metrics.frames_sent.inc()
             elif isinstance(a, SendMessage):
-                self._enqueue(_Out(P.encode(a.message), True))
+                self._enqueue(_Out(P.encode(a.message), a.message))
             elif isinstance(a, StartStream):
                 self._start_stream(a.request, a.first)
             elif isinstance(a, AbortStream):

@@ -290,7 +290,8 @@ class Session:
 
     # ================================================================ events
 
-    def on_text_frame(self, now_s: float, data: str | bytes) -> list[Action]:
+    def on_text_frame(self, now_s: float, data: str | bytes | dict[str, Any]) -> list[Action]:
+        """A client text frame (or a dialect translator's native message object)."""
         out: list[Action] = []
         if self.closed:
             return out

@@ -367,7 +367,7 @@ async def test_text_streamed_during_an_outage_is_sent_after_the_reconnect() -> N
             u = c.speak(tokens())
             await asyncio.wait_for(outage.wait(), 10)
             for conn in list(server.connections):
-                conn.ws.transport.abort()  # a crash, as the client sees it: no close frame
+                conn.ws.abort()  # a crash, as the client sees it: no close frame
             await server.shutdown(grace_s=0)
             await asyncio.sleep(0.3)  # the application keeps streaming meanwhile
             server2 = await _start(eng, port=port)

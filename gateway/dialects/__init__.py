@@ -26,7 +26,7 @@ from __future__ import annotations
 import email.utils
 import http
 import secrets
-from typing import Any, cast
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import orjson
@@ -38,8 +38,9 @@ from websockets.typing import Subprotocol
 from gateway import protocol as P
 from gateway.dialects import deepgram, elevenlabs, listings
 from gateway.dialects.base import Host, token_matches
-from gateway.dialects.front import HttpExchange, front_connection
+from gateway.dialects.front import front_connection
 from gateway.dialects.socket import DialectSocket
+from gateway.transport import NativeTransport, Transport
 
 __all__ = ["adapt", "front_connection", "get_listing", "process_request", "request_id", "select_subprotocol"]
 
@@ -169,15 +170,17 @@ def select_subprotocol(conn: ServerConnection, offered: Any) -> Subprotocol | No
     return None
 
 
-def adapt(server: Host, ws: ServerConnection) -> ServerConnection:
-    """The connection ``server._Connection`` should drive: ``ws`` itself for the native protocol,
+def adapt(server: Host, ws: ServerConnection | Transport) -> Transport:
+    """The transport ``server._Connection`` drives: ``NativeTransport`` for the native protocol,
     a ``DialectSocket`` for a dialect's WebSocket (HTTP exchanges come already adapted)."""
-    if isinstance(ws, (DialectSocket, HttpExchange)) or ws.request is None:
+    if not isinstance(ws, ServerConnection):
         return ws
+    if ws.request is None:
+        return NativeTransport(ws)
     parts = urlsplit(ws.request.path)
     dialect = _dialect_of(parts.path)
     if dialect == "deepgram":
-        return cast(ServerConnection, DialectSocket(ws, deepgram.DeepgramTranslator(deepgram.parse_query(parts.query))))
+        return DialectSocket(ws, deepgram.DeepgramTranslator(deepgram.parse_query(parts.query)))
     if dialect == "elevenlabs":
         tokens = server.config.gateway.auth_tokens
         check = None
@@ -190,5 +193,5 @@ def adapt(server: Host, ws: ServerConnection) -> ServerConnection:
         auth_timeout_s = server.config.gateway.open_timeout_s if check is not None else None
         translator: Any = (elevenlabs.ElevenLabsMultiTranslator(options, check) if options.multi
                            else elevenlabs.ElevenLabsTranslator(options, check))
-        return cast(ServerConnection, DialectSocket(ws, translator, auth_timeout_s=auth_timeout_s))
-    return ws
+        return DialectSocket(ws, translator, auth_timeout_s=auth_timeout_s)
+    return NativeTransport(ws)

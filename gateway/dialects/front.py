@@ -29,14 +29,13 @@ from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
 import h11
-import orjson
 from websockets.asyncio.server import ServerConnection
-from websockets.protocol import State
 
 from gateway import protocol as P
 from gateway.dialects import deepgram, http_audio, openai
 from gateway.dialects.base import Host, token_matches
 from gateway.dialects.socket import Inbox
+from gateway.transport import ClientItem
 
 log = logging.getLogger("voicegw.dialects.front")
 
@@ -380,7 +379,7 @@ def _header(req: h11.Request, name: bytes) -> str | None:
 
 
 class HttpExchange:
-    """Looks like a ``ServerConnection`` to ``server._Connection``; answers one speech request."""
+    """A ``Transport`` for ``server._Connection`` that answers one speech request."""
 
     def __init__(self, proto: HttpExchangeProtocol, responder: Responder,
                  report_interval_s: float = 0.1) -> None:
@@ -394,10 +393,6 @@ class HttpExchange:
         self._delivered = 0
 
     @property
-    def transport(self) -> Any:
-        return self.proto.transport
-
-    @property
     def remote_address(self) -> Any:
         t = self.proto.transport
         return t.get_extra_info("peername") if t is not None else None
@@ -407,16 +402,23 @@ class HttpExchange:
         return self._close_code
 
     @property
-    def state(self) -> State:
-        return State.CLOSED if self.done or self.proto.lost else State.OPEN
+    def closed(self) -> bool:
+        return self.done or self.proto.lost
 
-    def __aiter__(self) -> AsyncIterator[str]:
+    def abort(self) -> None:
+        self.proto.abort()
+
+    def raw_socket(self) -> Any:
+        t = self.proto.transport
+        return t.get_extra_info("socket") if t is not None else None
+
+    def __aiter__(self) -> AsyncIterator[ClientItem]:
         return self._messages()
 
-    async def _messages(self) -> AsyncIterator[str]:
+    async def _messages(self) -> AsyncIterator[ClientItem]:
         inbox = self._inbox = Inbox(cap=8, report_interval_s=self.report_interval_s)
         for m in self.responder.opening():
-            inbox.put_nowait(orjson.dumps(m).decode())
+            inbox.put_nowait(m)
         if self._lost_early or self.proto.lost:
             inbox.end()
         while (item := await inbox.get()) is not None:
@@ -430,13 +432,13 @@ class HttpExchange:
         else:
             self._lost_early = True
 
-    async def send(self, data: str | bytes, text: bool | None = None) -> None:
-        if isinstance(data, str) or text:
-            outs = self.responder.on_server_message(orjson.loads(data))
-        else:
-            header, payload = P.unpack_audio_frame(data)
-            outs = self.responder.on_server_audio(header, payload)
-            self._delivered += len(payload) // 2
+    async def send_message(self, message: dict[str, Any], encoded: bytes) -> None:
+        await self._emit(self.responder.on_server_message(message))
+
+    async def send_audio(self, frame: bytes) -> None:
+        header, payload = P.unpack_audio_frame(frame)
+        outs = self.responder.on_server_audio(header, payload)
+        self._delivered += len(payload) // 2
         await self._emit(outs)
         if self._inbox is not None and not self.done:
             self._inbox.report(self._delivered)

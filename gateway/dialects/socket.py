@@ -1,10 +1,10 @@
-"""I/O edge of the WebSocket dialects: a duck-typed stand-in for the ``ServerConnection`` that
-``gateway/server.py`` drives, speaking a dialect on the real connection.
+"""I/O edge of the WebSocket dialects: a ``gateway.transport.Transport`` speaking a dialect on the
+real connection.
 
-``server._Connection`` runs the native session over this object exactly as over a native client:
-it iterates it for client frames and calls ``send``/``close``. Here, client frames go through the
-translator into native messages (``__aiter__``), and the session's frames through the translator
-into dialect frames (``send``). So the dialects share the native session core, engine,
+``server._Connection`` runs the native session over it exactly as over a native client: it
+iterates it for client messages and calls ``send_message``/``send_audio``/``close``. Here, client
+frames go through the translator into native message objects (``__aiter__``; no JSON between
+them), and the session's messages and audio through the translator into dialect frames. So the dialects share the native session core, engine,
 scheduler, limits, flow control and metrics; nothing here decides anything.
 
 Flow control: dialect clients do not report playback. The session is told the client "played"
@@ -23,13 +23,13 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
 from gateway import protocol as P
 from gateway.dialects.base import Step, Translator
+from gateway.transport import ClientItem
 
 _CLOSE_WAIT_S = 2.0
 
@@ -41,7 +41,7 @@ class Inbox:
     def __init__(self, cap: int = 16, report_interval_s: float = 0.1) -> None:
         self.cap = cap
         self.report_interval_s = report_interval_s
-        self._items: deque[str] = deque()
+        self._items: deque[dict[str, Any]] = deque()
         self._ready = asyncio.Event()
         self._space = asyncio.Event()
         self._report: int | None = None
@@ -50,11 +50,11 @@ class Inbox:
         self._ended = False
         self._loop = asyncio.get_running_loop()
 
-    def put_nowait(self, item: str) -> None:
+    def put_nowait(self, item: dict[str, Any]) -> None:
         self._items.append(item)
         self._ready.set()
 
-    async def put(self, item: str) -> None:
+    async def put(self, item: dict[str, Any]) -> None:
         while len(self._items) >= self.cap and not self._ended:
             self._space.clear()
             await self._space.wait()
@@ -71,7 +71,7 @@ class Inbox:
         self._ready.set()
         self._space.set()
 
-    async def get(self) -> str | None:
+    async def get(self) -> dict[str, Any] | None:
         """The next message; None once ended (pending client messages first)."""
         while True:
             if self._items:
@@ -87,7 +87,7 @@ class Inbox:
                     played, self._report = self._report, None
                     self._reported = played
                     self._last_report_s = self._loop.time()
-                    return orjson.dumps({"type": P.ClientType.PLAYBACK.value, "played_samples": played}).decode()
+                    return {"type": P.ClientType.PLAYBACK.value, "played_samples": played}
                 timeout = wait
             self._ready.clear()
             with contextlib.suppress(TimeoutError):
@@ -96,7 +96,7 @@ class Inbox:
 
 
 class DialectSocket:
-    """Looks like a ``ServerConnection`` to ``server._Connection``; speaks a dialect on ``ws``."""
+    """A ``Transport`` for ``server._Connection`` that speaks a dialect on ``ws``."""
 
     def __init__(self, ws: ServerConnection, translator: Translator, *, report_interval_s: float = 0.1,
                  inbox_cap: int = 16, auth_timeout_s: float | None = None) -> None:
@@ -112,11 +112,7 @@ class DialectSocket:
         self._delivered = 0
         self._close_task: asyncio.Task[None] | None = None
 
-    # ---- what _Connection uses of a ServerConnection -----------------------------------------
-
-    @property
-    def transport(self) -> Any:
-        return self.ws.transport
+    # ---- the Transport ---------------------------------------------------------------------
 
     @property
     def remote_address(self) -> Any:
@@ -127,21 +123,23 @@ class DialectSocket:
         return self.ws.close_code
 
     @property
-    def state(self) -> State:
-        return self.ws.state
+    def closed(self) -> bool:
+        return self.ws.state is State.CLOSED
 
-    @property
-    def request(self) -> Any:
-        return self.ws.request
+    def abort(self) -> None:
+        self.ws.transport.abort()
 
-    def __aiter__(self) -> AsyncIterator[str]:
+    def raw_socket(self) -> Any:
+        return self.ws.transport.get_extra_info("socket")
+
+    def __aiter__(self) -> AsyncIterator[ClientItem]:
         return self._messages()
 
-    async def _messages(self) -> AsyncIterator[str]:
+    async def _messages(self) -> AsyncIterator[ClientItem]:
         inbox = self._inbox = Inbox(self.inbox_cap, self.report_interval_s)
         opening = self.translator.opening()
         for m in opening.to_session:
-            inbox.put_nowait(orjson.dumps(m).decode())
+            inbox.put_nowait(m)
         reader = asyncio.create_task(self._read(inbox, opening))
         try:
             while (item := await inbox.get()) is not None:
@@ -194,13 +192,12 @@ class DialectSocket:
             return False
         return True
 
-    async def send(self, data: str | bytes, text: bool | None = None) -> None:
-        if isinstance(data, str) or text:
-            step = self.translator.on_server_message(orjson.loads(data))
-        else:
-            header, payload = P.unpack_audio_frame(data)
-            step = self.translator.on_server_audio(header, payload)
-        await self._carry(step)
+    async def send_message(self, message: dict[str, Any], encoded: bytes) -> None:
+        await self._carry(self.translator.on_server_message(message))
+
+    async def send_audio(self, frame: bytes) -> None:
+        header, payload = P.unpack_audio_frame(frame)
+        await self._carry(self.translator.on_server_audio(header, payload))
 
     async def close(self, code: int = P.CloseCode.NORMAL, reason: str = "") -> None:
         step = self.translator.on_server_close(code, reason)
@@ -218,7 +215,7 @@ class DialectSocket:
         inbox = self._inbox
         for m in step.to_session:
             if inbox is not None:
-                await inbox.put(orjson.dumps(m).decode())
+                await inbox.put(m)
         for frame in step.to_client:
             await self.ws.send(frame)
         if step.delivered_samples:

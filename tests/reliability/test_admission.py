@@ -485,7 +485,7 @@ async def _ping_flood(server: GatewayServer, total_bytes: int) -> tuple[int, boo
             break
         await asyncio.sleep(0)
         for c in list(server.connections):
-            peak = max(peak, c.ws.transport.get_write_buffer_size())
+            peak = max(peak, c.ws.ws.transport.get_write_buffer_size())  # c.ws: a NativeTransport
         if not server.connections:
             dropped = True
             break
