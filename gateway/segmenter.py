@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from voicegw.config import SegmenterConfig
+
 SENTENCE_END_ASCII = frozenset(".!?")
 CLAUSE_ASCII = frozenset(",;:")
 SENTENCE_END_CJK = frozenset("。！？…")
@@ -41,22 +43,6 @@ ABBREVIATIONS = frozenset(
     {"mr", "mrs", "ms", "dr", "prof", "sr", "jr", "st", "vs", "etc", "e.g", "i.e", "no", "approx"}
 )
 CJK_UNITS = 3
-
-
-@dataclass(frozen=True)
-class SegmenterConfig:
-    first_min_units: int = 10
-    """First segment: shortest text cut at a clause boundary."""
-    first_max_units: int = 80
-    """First segment: without any boundary, cut at a space once this long."""
-    first_wait_ms: float = 350.0
-    """First segment: after this long since the first character, send complete words."""
-    min_units: int = 24
-    """Later segments: shortest text cut at a sentence boundary (unless idle or forced)."""
-    max_units: int = 200
-    """Any segment: longest text."""
-    idle_wait_ms: float = 400.0
-    """Later segments: when nothing is in flight, text that waited this long goes out."""
 
 
 def is_cjk(ch: str) -> bool:

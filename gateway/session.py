@@ -23,7 +23,7 @@ import hashlib
 import logging
 import math
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from engine.api import AudioChunk, SamplingParams, SpeechRequest
@@ -31,8 +31,8 @@ from gateway import protocol as P
 from gateway.audio import encode_samples
 from gateway.flow import FlowConfig, FlowControl
 from gateway.scheduling import PriorityFn, make_priority_fn
-from gateway.segmenter import Segmenter, SegmenterConfig, is_cjk, is_speakable, text_units, word_timings
-from voicegw.config import Config, LimitsConfig, SchedulerConfig
+from gateway.segmenter import Segmenter, is_cjk, is_speakable, text_units, word_timings
+from voicegw.config import Config, LimitsConfig, SchedulerConfig, SessionConfig
 
 _log = logging.getLogger("voicegw.session")
 
@@ -47,35 +47,20 @@ def _voice_for_log(voice: str | int | None) -> str:
 
 
 @dataclass(frozen=True)
-class SessionSettings:
-    """Everything a session needs to know, read once from the Config."""
+class SessionSettings(SessionConfig):
+    """Everything a session needs to know, read once from the Config: its ``[session]`` section
+    (``voicegw.config.SessionConfig``, the segmenter included) plus the limits, the scheduler
+    and the engine's name."""
 
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    segmenter: SegmenterConfig = field(default_factory=SegmenterConfig)
     engine_name: str = "unknown"
-    max_in_flight: int = 2
-    """Segments in flight per session (submitted to the engine and not yet fully sent): the next
-    segment is submitted while the current one is still being sent, so sentences follow without
-    gaps, and a client that does not play cannot make the engine run further ahead."""
-    frame_ms: float = 40.0
-    """Longest audio frame sent."""
-    prefetch_ms: float = 1_000.0
-    """Audio a stream may hold pulled-but-unsent (capped at the flow window)."""
-    stale_report_ms: float = 1_500.0
-    """FlowConfig.stale_report_ms."""
-    playback_report_interval_ms: float = 250.0
-    """Advertised to clients: how often to send ``playback``."""
-    rate_strikes_to_close: float = 10.0
-    """Refused (rate-limited) deltas, decaying one per second, after which the session closes 1008."""
-    history_utterances: int = 4
-    """Finished utterances kept for ``cancelled`` accounting (audio may still be playing)."""
-    est_ms_per_unit: float = 70.0
-    """Speaking time per text unit, to place the playhead inside a segment still generating."""
 
     @classmethod
     def from_config(cls, config: Config, engine_name: str, **overrides: Any) -> SessionSettings:
-        return cls(limits=config.limits, scheduler=config.scheduler, engine_name=engine_name, **overrides)
+        session = {f.name: getattr(config.session, f.name) for f in fields(SessionConfig)}
+        return cls(**{**session, **overrides}, limits=config.limits, scheduler=config.scheduler,
+                   engine_name=engine_name)
 
 
 # ---- actions ------------------------------------------------------------------------------

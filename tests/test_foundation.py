@@ -71,6 +71,38 @@ def test_every_field_documented() -> None:
     assert "VOICEGW_ENGINE_MODEL_DIR" in describe()
 
 
+def test_session_and_segmenter_reachable_from_toml_env_and_cli(tmp_path: Path) -> None:
+    from gateway.session import SessionSettings
+
+    toml = tmp_path / "c.toml"
+    toml.write_text("[session]\nmax_in_flight = 3\n[session.segmenter]\nfirst_wait_ms = 250\nmax_units = 150\n")
+    cfg = load_config(toml, env={"VOICEGW_SESSION_SEGMENTER_MIN_UNITS": "30", "VOICEGW_SESSION_FRAME_MS": "20"},
+                      overrides={"session.segmenter.max_units": 180})
+    assert cfg.session.max_in_flight == 3 and cfg.session.frame_ms == 20.0
+    seg = cfg.session.segmenter
+    assert (seg.first_wait_ms, seg.min_units, seg.max_units) == (250.0, 30, 180)
+    st = SessionSettings.from_config(cfg, "e")  # what every session of the server gets
+    assert st.segmenter == seg and st.max_in_flight == 3 and st.frame_ms == 20.0
+    with pytest.raises(ConfigError, match="session.segmenter.nope: unknown setting"):
+        load_config(env={"VOICEGW_SESSION_SEGMENTER_NOPE": "1"})
+
+
+def test_config_dataclasses_validate_themselves() -> None:
+    """A section built in code meets the same rules as one read from a file, cross-field ones too."""
+    from voicegw.config import EngineConfig, LimitsConfig, SegmenterConfig, SessionConfig
+
+    with pytest.raises(ConfigError, match="limits.max_sessions: must be > 0"):
+        LimitsConfig(max_sessions=0)
+    with pytest.raises(ConfigError, match="engine.backend"):
+        EngineConfig(backend="gpu-magic")
+    with pytest.raises(ConfigError, match="session.segmenter.min_units: must be <= max_units"):
+        SegmenterConfig(min_units=300)
+    with pytest.raises(ConfigError, match="session.frame_ms: must be <= limits.flow_window_ms"):
+        Config(limits=LimitsConfig(flow_window_ms=30.0), session=SessionConfig(frame_ms=40.0))
+    with pytest.raises(ConfigError, match="engine.first_chunk_steps"):
+        Config(engine=EngineConfig(first_chunk_steps=40, chunk_steps=20))
+
+
 def test_configuration_doc_up_to_date() -> None:
     doc = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
     assert doc.read_text() == describe() + "\n", "regenerate: voicegw config-doc > docs/configuration.md"

@@ -28,9 +28,32 @@ class ConfigError(ValueError):
     """A configuration value is invalid. The message names the key and what is allowed."""
 
 
+class _Checked:
+    """Validation inside the dataclass (``__post_init__``): per-field rules from the tables below
+    (``_CHOICES``, ``_POSITIVE``, ``_validate``), then the class's cross-field ``_cross_check``.
+    A section built in code is held to the same rules as one read from TOML, env or the CLI."""
+
+    _section: typing.ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if not dataclasses.is_dataclass(value):
+                _validate(self._section, f.name, value)
+        self._cross_check()
+
+    def _cross_check(self) -> None:
+        pass
+
+    def _fail(self, name: str, message: str) -> typing.NoReturn:
+        raise ConfigError(f"{self._section}.{name}: {message}")
+
+
 @dataclass(frozen=True)
-class GatewayConfig:
+class GatewayConfig(_Checked):
     """The WebSocket/HTTP server."""
+
+    _section: typing.ClassVar[str] = "gateway"
 
     host: str = "127.0.0.1"
     """Address to bind."""
@@ -66,8 +89,10 @@ it from the checkpoint: ``DecoderGeometry.exact_lookahead_steps``)."""
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(_Checked):
     """The speech engine."""
+
+    _section: typing.ClassVar[str] = "engine"
 
     backend: str = "auto"
     """``vllm`` (ChatTTS GPT in vLLM), ``reference`` (upstream chattts in-process), ``espeak``
@@ -164,8 +189,10 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(_Checked):
     """Deadline-aware scheduling and admission."""
+
+    _section: typing.ClassVar[str] = "scheduler"
 
     ttfa_target_ms: float = 500.0
     """Admission: refuse a new utterance early when it cannot start within this time."""
@@ -185,8 +212,10 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
-class LimitsConfig:
+class LimitsConfig(_Checked):
     """Per-connection and global limits (see SECURITY.md)."""
+
+    _section: typing.ClassVar[str] = "limits"
 
     max_sessions: int = 256
     """Concurrent sessions; over it: HTTP 503 at the handshake."""
@@ -212,13 +241,78 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
-class Config:
+class SegmenterConfig(_Checked):
+    """Where text is cut into segments (``gateway/segmenter.py``); a unit is a letter or digit, a
+    CJK character counts 3."""
+
+    _section: typing.ClassVar[str] = "session.segmenter"
+
+    first_min_units: int = 10
+    """First segment: shortest text cut at a clause boundary."""
+    first_max_units: int = 80
+    """First segment: without any boundary, cut at a space once this long."""
+    first_wait_ms: float = 350.0
+    """First segment: after this long since the first character, send complete words."""
+    min_units: int = 24
+    """Later segments: shortest text cut at a sentence boundary (unless idle or forced)."""
+    max_units: int = 200
+    """Any segment: longest text."""
+    idle_wait_ms: float = 400.0
+    """Later segments: when nothing is in flight, text that waited this long goes out."""
+
+    def _cross_check(self) -> None:
+        if self.first_min_units > self.first_max_units:
+            self._fail("first_min_units", f"must be <= first_max_units ({self.first_max_units})")
+        if self.min_units > self.max_units:
+            self._fail("min_units", f"must be <= max_units ({self.max_units})")
+
+
+@dataclass(frozen=True)
+class SessionConfig(_Checked):
+    """One session's pacing and bookkeeping (``gateway/session.py``), and its segmenter."""
+
+    _section: typing.ClassVar[str] = "session"
+
+    segmenter: SegmenterConfig = field(default_factory=SegmenterConfig)
+    """``[session.segmenter]``: where text is cut into segments."""
+    max_in_flight: int = 2
+    """Segments in flight per session (submitted to the engine and not yet fully sent): the next
+    segment is submitted while the current one is still being sent, so sentences follow without
+    gaps, and a client that does not play cannot make the engine run further ahead."""
+    frame_ms: float = 40.0
+    """Longest audio frame sent."""
+    prefetch_ms: float = 1_000.0
+    """Audio a stream may hold pulled-but-unsent (capped at ``limits.flow_window_ms``)."""
+    stale_report_ms: float = 1_500.0
+    """A client's playback report older than this no longer counts: the playhead is assumed to
+    advance in real time from it (flow control's virtual playhead)."""
+    playback_report_interval_ms: float = 250.0
+    """Advertised to clients (``session.started``): how often to send ``playback``."""
+    rate_strikes_to_close: float = 10.0
+    """Refused (rate-limited) deltas, decaying one per second, after which the session closes 1008."""
+    history_utterances: int = 4
+    """Finished utterances kept for ``cancelled`` accounting (audio may still be playing)."""
+    est_ms_per_unit: float = 70.0
+    """Speaking time per text unit, to place the playhead inside a segment still generating."""
+
+
+@dataclass(frozen=True)
+class Config(_Checked):
     """Everything, read once at start."""
+
+    _section: typing.ClassVar[str] = ""
 
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    session: SessionConfig = field(default_factory=SessionConfig)
+
+    def _cross_check(self) -> None:
+        if self.session.frame_ms > self.limits.flow_window_ms:
+            raise ConfigError(f"session.frame_ms: must be <= limits.flow_window_ms ({self.limits.flow_window_ms})")
+        if self.engine.first_chunk_steps > self.engine.chunk_steps:
+            raise ConfigError(f"engine.first_chunk_steps: must be <= engine.chunk_steps ({self.engine.chunk_steps})")
 
 
 _SECTIONS: dict[str, type] = {
@@ -226,7 +320,10 @@ _SECTIONS: dict[str, type] = {
     "engine": EngineConfig,
     "scheduler": SchedulerConfig,
     "limits": LimitsConfig,
+    "session": SessionConfig,
+    "session.segmenter": SegmenterConfig,
 }
+"""Every section; a dotted one is a table inside its parent (``[session.segmenter]``)."""
 
 _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("engine", "backend"): ("auto", "vllm", "reference", "espeak", "synthetic"),
@@ -261,6 +358,20 @@ _POSITIVE: set[tuple[str, str]] = {
     ("limits", "flow_window_ms"),
     ("limits", "max_queued_utterances"),
     ("limits", "openai_max_input_chars"),
+    ("session", "max_in_flight"),
+    ("session", "frame_ms"),
+    ("session", "prefetch_ms"),
+    ("session", "stale_report_ms"),
+    ("session", "playback_report_interval_ms"),
+    ("session", "rate_strikes_to_close"),
+    ("session", "history_utterances"),
+    ("session", "est_ms_per_unit"),
+    ("session.segmenter", "first_min_units"),
+    ("session.segmenter", "first_max_units"),
+    ("session.segmenter", "first_wait_ms"),
+    ("session.segmenter", "min_units"),
+    ("session.segmenter", "max_units"),
+    ("session.segmenter", "idle_wait_ms"),
 }
 
 
@@ -371,40 +482,51 @@ def load_config(
             raise ConfigError(f"config file {path}: not found") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path}: invalid TOML ({exc})") from None
+        top = ", ".join(k for k in _SECTIONS if "." not in k)
         for section, values in data.items():
-            if section not in _SECTIONS:
-                raise ConfigError(f"config file {path}: unknown section [{section}]; known: {', '.join(_SECTIONS)}")
+            if section not in _SECTIONS or "." in section:
+                raise ConfigError(f"config file {path}: unknown section [{section}]; known: {top}")
             if not isinstance(values, dict):
                 raise ConfigError(f"config file {path}: [{section}] must be a table")
             for name, value in values.items():
-                raw[section][name] = value
-    for section in _SECTIONS:
-        prefix = f"VOICEGW_{section.upper()}_"
+                if f"{section}.{name}" in _SECTIONS:
+                    if not isinstance(value, dict):
+                        raise ConfigError(f"config file {path}: [{section}.{name}] must be a table")
+                    raw[f"{section}.{name}"].update(value)
+                else:
+                    raw[section][name] = value
+    # longest prefix first: VOICEGW_SESSION_SEGMENTER_* is the segmenter's, not session's
+    claimed: set[str] = set()
+    for section in sorted(_SECTIONS, key=len, reverse=True):
+        prefix = f"VOICEGW_{section.upper().replace('.', '_')}_"
         for k, v in env.items():
-            if k.startswith(prefix):
+            if k.startswith(prefix) and k not in claimed:
+                claimed.add(k)
                 raw[section][k[len(prefix) :].lower()] = v
     for dotted, value in (overrides or {}).items():
         if value is None:
             continue
-        section, _, name = dotted.partition(".")
+        section, _, name = dotted.rpartition(".")
         if section not in _SECTIONS:
             raise ConfigError(f"{dotted}: unknown section {section!r}")
         raw[section][name] = value
 
     built: dict[str, Any] = {}
-    for section, cls in _SECTIONS.items():
+    for section in sorted(_SECTIONS, key=lambda k: -k.count(".")):  # tables inside others first
+        cls = _SECTIONS[section]
         hints = typing.get_type_hints(cls)
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls) if f"{section}.{f.name}" not in _SECTIONS}
         kwargs: dict[str, Any] = {}
         for name, value in raw[section].items():
             if name not in names:
                 raise ConfigError(
                     f"{section}.{name}: unknown setting; known: {', '.join(sorted(names))}"
                 )
-            v = _coerce(section, name, hints[name], value)
-            _validate(section, name, v)
-            kwargs[name] = v
-        built[section] = cls(**kwargs)
+            kwargs[name] = _coerce(section, name, hints[name], value)
+        for f in dataclasses.fields(cls):
+            if f"{section}.{f.name}" in built:
+                kwargs[f.name] = built.pop(f"{section}.{f.name}")
+        built[section] = cls(**kwargs)  # validates (``_Checked``)
     return Config(**built)
 
 
@@ -422,8 +544,10 @@ def describe() -> str:
         docs = field_docs(cls)
         lines += [f"## [{section}]", "", (cls.__doc__ or "").strip(), "", "| key | default | env | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
+            if f"{section}.{f.name}" in _SECTIONS:
+                continue  # its own table
             default = f.default if f.default is not dataclasses.MISSING else None
-            env_name = f"VOICEGW_{section.upper()}_{f.name.upper()}"
+            env_name = f"VOICEGW_{section.upper().replace('.', '_')}_{f.name.upper()}"
             lines.append(f"| `{f.name}` | `{default!r}` | `{env_name}` | {docs.get(f.name, '')} |")
         lines.append("")
     return "\n".join(lines)
@@ -436,6 +560,8 @@ def cli_fields() -> list[tuple[str, type, Any, str]]:
         docs = field_docs(cls)
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
+            if f"{section}.{f.name}" in _SECTIONS:
+                continue  # its own table
             # argparse %-formats help strings: a literal % must be doubled
             out.append((f"{section}.{f.name}", hints[f.name], f.default, docs.get(f.name, "").replace("%", "%%")))
     return out
