@@ -1,0 +1,209 @@
+"""The Markdown report from the results JSON."""
+
+from __future__ import annotations
+
+import math
+import shlex
+from typing import Any
+
+
+def _f(v: Any, nd: int = 0) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def _gpu_mem(row: dict[str, Any]) -> str:
+    g = row.get("gpu") or {}
+    peaks = g.get("memory_peak_mib") or {}
+    if not peaks:
+        return "-"
+    return " / ".join(f"{v / 1024:.1f}" for v in peaks.values())
+
+
+def _split(row: dict[str, Any]) -> str:
+    parts = (row.get("server_breakdown") or {}).get("ttfa_parts") or {}
+    if not parts:
+        return "-"
+    return "/".join(_f((parts.get(k) or {}).get("mean_ms")) for k in ("text_wait", "queue", "engine", "send"))
+
+
+def _steady_table(rows: list[dict[str, Any]]) -> list[str]:
+    head = ["sessions", "TTFA p50 ms", "TTFA p99 ms", "seg-TTFA p50 ms", "seg-TTFA p99 ms", "RTF/stream p50",
+            "RTF p5", "underruns", "sessions w/ underrun", "underrun ms", "answers done/started", "errors",
+            "server split ms: text wait/queue/engine/send (mean)", "GPU mem peak GiB", "server RSS MiB",
+            "real time"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted((r for r in rows if r.get("scenario") == "steady"), key=lambda r: r["sessions"]):
+        if "failed" in r:
+            out.append(f"| {r['sessions']} | failed: {r['failed'][:80]} |" + " |" * (len(head) - 2))
+            continue
+        t, s = r["ttfa_ms"], r["ttfa_segment_ms"]
+        out.append("| " + " | ".join([
+            str(r["sessions"]), _f(t.get("p50")), _f(t.get("p99")), _f(s.get("p50")), _f(s.get("p99")),
+            _f(r["rtf_p50"], 2), _f(r["rtf_p5"], 2), _f(r["underruns"]), _f(r["sessions_with_underruns"]),
+            _f(r["underrun_ms"]), f"{r['completed']}/{r['utterances']}", _f(r["n_errors"]), _split(r), _gpu_mem(r),
+            _f(r["server_rss_peak_mib"]), _f(r["realtime"]),
+        ]) + " |")
+    return out
+
+
+def _closed_rows(engine: str, rows: list[dict[str, Any]], only: set[int] | None = None) -> list[list[str]]:
+    out = []
+    for r in sorted((r for r in rows if r.get("scenario") == "closed-loop"), key=lambda r: r["sessions"]):
+        if only is not None and r["sessions"] not in only:
+            continue
+        if "failed" in r:
+            out.append([engine, str(r["sessions"]), f"failed: {r['failed'][:60]}"] + ["-"] * 8)
+            continue
+        t, tot = r["ttfa_ms"], r["total_ms"]
+        na = r.get("answers_no_audio") or 0
+        out.append([engine, str(r["sessions"]), _f(r["qps"], 2), _f(t.get("mean")), _f(t.get("p50")),
+                    _f(t.get("p99")), _f(tot.get("mean")), _f(tot.get("p99")),
+                    f"{na} (waited >= {_f(r.get('no_audio_wait_min_ms'))} ms)" if na else "0",
+                    _f(r["n_errors"]), _f(r.get("aggregate_x_realtime"), 1)])
+    return out
+
+
+def render_markdown(d: dict[str, Any]) -> str:
+    host = d.get("host") or {}
+    gpus = host.get("gpus") or []
+    gpu_name = gpus[0]["name"] if gpus else "no GPU"
+    lines = [f"## GPU: end-to-end ({gpu_name} x{host.get('gpu_count', 0)})", ""]
+    runs = d.get("runs") or []
+    if runs:
+        lines.append(f"Measured {runs[-1].get('date', '?')} on {host.get('hostname', '?')}: {host.get('cpus')} CPU "
+                     f"cores, Python {host.get('python')}, torch {host.get('torch')}, vLLM {host.get('vllm')}. "
+                     "ChatTTS-shaped checkpoint with random weights "
+                     f"({(d.get('checkpoint') or {}).get('size', '?')}): segment lengths are random, so "
+                     "audio per answer is not that of real speech; the timing is.")
+        lines.append("")
+        lines.append("Commands:")
+        lines.append("")
+        lines.append("```sh")
+        for r in runs:
+            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in (r.get("caller_env") or {}).items())
+            lines.append(f"{env + ' ' if env else ''}{r.get('command')}   # phases {','.join(r.get('phases', []))}")
+        lines.append("```")
+        lines.append("")
+    fl = d.get("floor")
+    if fl:
+        lines += [f"### Engine floor (bench.engine_bench, {fl.get('steps')} steps per request, EOS blocked, "
+                  f"max_num_batched_tokens {fl.get('max_num_batched_tokens')}, async scheduling off)", ""]
+        if fl.get("compiled_failed"):
+            lines += ["The CUDA-graph engine produced no results (see floor-vllm.log); eager mode below.", ""]
+        lines += [
+                  "| backend | concurrency | TTFT p50 ms | TTFT p99 ms | steps/s per stream | x real time "
+                  "per stream | aggregate steps/s | unfinished |", "|---|---|---|---|---|---|---|---|"]
+        for run in fl.get("runs", []):
+            mode = "" if run.get("backend") != "vllm" else (" (CUDA graphs)" if run.get("compiled") else " (eager)")
+            for r in run.get("rows", []):
+                lines.append(f"| {r['backend']}{mode} | {r['concurrency']} | {_f(r['ttft_p50_ms'])} | {_f(r['ttft_p99_ms'])} "
+                             f"| {_f(r['steps_per_s_per_stream'], 1)} | {_f(r['x_realtime_per_stream'], 2)} "
+                             f"| {_f(r['aggregate_steps_per_s'], 0)} | {r['unfinished']} |")
+            if run.get("timed_out") or not run.get("rows"):
+                lines.append(f"| {run.get('backend')} | (timed out: {run.get('timed_out')}, rc {run.get('returncode')}) "
+                             "| | | | | | |")
+        starts = {b: s for run in fl.get("runs", []) for b, s in (run.get("start_s") or {}).items()}
+        if starts:
+            lines += ["", "Engine start (incl. warm-up, and graph capture when compiled): "
+                      + ", ".join(f"{b} {s:.0f} s" for b, s in starts.items()) + "."]
+        lines.append("")
+    for key, title in (("e2e", "Gateway end to end, one vLLM engine"), ("dp", "Gateway with vLLM data parallelism")):
+        e = d.get(key)
+        if not e:
+            continue
+        st = e.get("steady") or {}
+        lines += [f"### {title} (data_parallel_size {e.get('data_parallel_size')})", ""]
+        if e.get("command"):
+            lines += ["```sh", e["command"], "```", ""]
+        if e.get("start_s") is not None:
+            lines.append(f"Gateway healthy {e['start_s']} s after launch; CUDA graphs {_f(e.get('cuda_graphs'))}, "
+                         f"async scheduling {_f(e.get('async_scheduling'))}.")
+            for fail in e.get("attempt_failures") or []:
+                err = " ".join(str(fail.get("error", "")).split())[-300:]
+                lines.append(f"Earlier attempt (CUDA graphs {_f(fail.get('cuda_graphs'))}, async scheduling "
+                             f"{_f(fail.get('async_scheduling'))}) failed at {fail.get('stage')}: `{err}`")
+            dropped = ((e.get("log_facts") or {}).get("dropped_engine_args") or [])
+            if dropped:
+                lines.append(f"vLLM dropped engine args: `{dropped[0]}`")
+            lines.append("")
+        if e.get("error"):
+            lines += [f"Did not run: {e['error'][:500]}", ""]
+        rows = e.get("levels") or []
+        if any(r.get("scenario") == "steady" for r in rows):
+            lines += [f"`steady` scenario: each session streams {st.get('utterance_chars')}-character answers "
+                      f"at {st.get('tokens_per_s')} tokens/s and plays the audio in real time, "
+                      f"{st.get('think_s')} s think time, {st.get('duration_s')} s (+{st.get('settle_s')} s to "
+                      "finish). TTFA: first text sent to first PCM byte at the client; seg-TTFA: from the text "
+                      "that completed the first segment. RTF/stream: audio seconds received per wall second of "
+                      "each answer (flow control keeps a stream at most 2 s ahead of playback, so >= 1 means it "
+                      "kept up). GPU memory: whole GPU(s), peak during the level.", ""]
+            lines += _steady_table(rows)
+            lines.append("")
+            summ = e.get("summary") or {}
+            lines.append(f"**Largest session count real time with zero underruns: {summ.get('max_realtime_sessions')}** "
+                         f"(tested {summ.get('tested')}; first failing: {_f(summ.get('first_failing_sessions'))}"
+                         + ("" if summ.get("monotone", True) else "; not monotone") + ").")
+            lines.append("")
+        thr = [r for r in rows if r.get("scenario") == "closed-loop"]
+        if thr:
+            lines += ["Closed loop (answers back to back, audio consumed as it arrives):", "",
+                      "| engine | sessions | QPS | TTFA mean ms | TTFA p50 ms | TTFA p99 ms | latency mean ms "
+                      "| latency p99 ms | answers with no audio by the end | errors | aggregate x real time |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|"]
+            lines += ["| " + " | ".join(c) + " |" for c in _closed_rows(f"voicegw (DP {e.get('data_parallel_size')})", thr)]
+            lines.append("")
+        if e.get("skipped"):
+            lines += ["Skipped: " + "; ".join(e["skipped"]), ""]
+    nat = d.get("native")
+    if nat:
+        lines += ["### Native pipeline baseline (same gateway and clients)", "",
+                  f"{nat.get('engine')}, on {nat.get('device')}; closed loop, {nat.get('duration_s')} s per level.", ""]
+        if nat.get("error"):
+            lines += [f"Did not run: {nat['error'][:500]}", ""]
+        ours = (d.get("e2e") or {}).get("levels") or []
+        levels = {r["sessions"] for r in nat.get("levels", [])}
+        body = _closed_rows("voicegw (vLLM)", ours, levels) + _closed_rows("native pipeline", nat.get("levels", []))
+        if body:
+            lines += ["| engine | sessions | QPS | TTFA mean ms | TTFA p50 ms | TTFA p99 ms | latency mean ms "
+                      "| latency p99 ms | answers with no audio by the end | errors | aggregate x real time |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|"]
+            lines += ["| " + " | ".join(c) + " |" for c in sorted(body, key=lambda c: (int(c[1]), c[0]))]
+            lines += ["", "TTFA of the native pipeline counts only answers that got audio before the level "
+                      "ended; the others waited at least the time shown.", ""]
+        if nat.get("skipped"):
+            lines += ["Skipped: " + "; ".join(nat["skipped"]), ""]
+    e1, e2 = (d.get("e2e") or {}).get("summary"), (d.get("dp") or {}).get("summary")
+    if e1 and e2:
+        a, b = e1.get("max_realtime_sessions") or 0, e2.get("max_realtime_sessions") or 0
+        lines.append(f"**Capacity ratio DP {(d.get('dp') or {}).get('data_parallel_size')} / DP 1 (largest real-time "
+                     f"session count): {b} / {a} = {(b / a) if a else float('nan'):.2f}**"
+                     + (" (DP 1 passed its largest tested level: a lower bound on its capacity)"
+                        if e1.get("first_failing_sessions") is None else "")
+                     + (" (DP passed its largest tested level)" if e2.get("first_failing_sessions") is None else ""))
+        t1 = _top_throughput(d.get("e2e")), _top_throughput(d.get("dp"))
+        if t1[0] and t1[1] and t1[0][0] == t1[1][0]:
+            lines.append(f"Aggregate audio throughput at {t1[0][0]} closed-loop sessions: x{t1[1][1]} vs x{t1[0][1]} "
+                         f"real time = {t1[1][1] / t1[0][1]:.2f}.")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _top_throughput(e: dict[str, Any] | None) -> tuple[int, float] | None:
+    if not e:
+        return None
+    rows = [r for r in e.get("levels") or [] if r.get("scenario") == "closed-loop" and r.get("aggregate_x_realtime")]
+    if not rows:
+        return None
+    r = max(rows, key=lambda r: r["sessions"])
+    return r["sessions"], float(r["aggregate_x_realtime"])
+
+
+# ---------------------------------------------------------------------------------- CLI
