@@ -7,8 +7,7 @@ vLLM engine core is a child process) and stops it on exit (SIGTERM to its proces
 SIGKILL). ``start``/``stop`` outside ``with``; ``kill`` is a crash from outside (SIGKILL to the
 group); ``healthz``, ``alive``, ``port`` and ``pid`` for tests.
 
-Engines: ``fake`` (the gateway tests' sine-tone double, ``tests/gateway/fakes.py``: needs the
-source tree), ``sim`` (``loadtest.simengine``: vLLM-like batch scheduling without a model), ``vllm`` (``engine.factory`` code engine + ``engine.speech.ChatTTSSpeech``, as ``voicegw
+Engines: ``fake`` (``loadtest.simengine.FakeSpeechEngine``, a sine tone), ``sim`` (``loadtest.simengine``: vLLM-like batch scheduling without a model), ``vllm`` (``engine.factory`` code engine + ``engine.speech.ChatTTSSpeech``, as ``voicegw
 serve`` builds it) and ``espeak`` (``voicegw.runtime.build_speech_engine``), ``native``
 (``loadtest.baseline.NativePipelineSpeech``: upstream ChatTTS streaming, one at a time).
 Policies: ``priority`` (``gateway.scheduling`` deadline priorities, vLLM ``scheduling_policy``
@@ -231,7 +230,7 @@ def _build_config(args: argparse.Namespace) -> Any:
 
 def _make_engine(kind: str, cfg: Any) -> Any:
     if kind == "fake":
-        from tests.gateway.fakes import FakeSpeechEngine
+        from loadtest.simengine import FakeSpeechEngine
 
         return FakeSpeechEngine()
     if kind == "sim":

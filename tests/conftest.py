@@ -4,7 +4,7 @@
 reliability). ``VOICEGW_TEST_ENGINE`` picks it: ``vllm`` (default: ChatTTS GPT in vLLM on the
 tiny checkpoint + the streaming decoder, sharing the session's ``vllm_engine`` with the parity
 tests), ``reference`` (upstream chattts in-process + the decoder), ``espeak``, or ``fake`` (the
-sine-tone double of ``tests/gateway/fakes.py``, for quick local runs). Tests that need the
+sine-tone double ``loadtest.simengine.FakeSpeechEngine``, for quick local runs). Tests that need the
 double's knobs use ``fake_engine`` instead.
 
 The checkpoint is the tiny random one with its attention projections scaled by
@@ -157,7 +157,7 @@ async def speech_engine(_session_code_engine: Any, request: pytest.FixtureReques
         ecfg = replace(session_engine_config(), backend=ENGINE_KIND)
         eng = ChatTTSSpeech(_Borrowed(_session_code_engine), build_decoder(ecfg, str(model_dir)), ecfg)
     elif ENGINE_KIND == "fake":
-        from tests.gateway.fakes import FakeSpeechEngine
+        from loadtest.simengine import FakeSpeechEngine
 
         eng = FakeSpeechEngine()
     else:
@@ -173,7 +173,7 @@ async def speech_engine(_session_code_engine: Any, request: pytest.FixtureReques
 @pytest.fixture
 def fake_engine() -> Any:
     """A fresh sine-tone test double (failure injection, exact lengths)."""
-    from tests.gateway.fakes import FakeSpeechEngine
+    from loadtest.simengine import FakeSpeechEngine
 
     return FakeSpeechEngine()
 

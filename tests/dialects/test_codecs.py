@@ -15,9 +15,9 @@ from openai import AsyncOpenAI
 from websockets.asyncio.client import connect
 
 from gateway.dialects.audio import av_available
+from loadtest.simengine import FakeSpeechEngine
 from tests.dialects.test_http_audio import _dg
 from tests.gateway.conftest import GatewayFactory
-from tests.gateway.fakes import FakeSpeechEngine
 
 pytestmark = pytest.mark.skipif(not av_available(), reason="PyAV (av) is not installed")
 TEXT = "Hello there, this is the gateway speaking in a compressed format, sentence by sentence."

@@ -13,9 +13,9 @@ from deepgram.speak.v1.types import SpeakV1Text
 from websockets.exceptions import ConnectionClosed
 
 from gateway.dialects.voices import DEEPGRAM
+from loadtest.simengine import FakeSpeechEngine
 from tests.dialects.conftest import CountingEngine
 from tests.gateway.conftest import GatewayFactory, wait_until
-from tests.gateway.fakes import FakeSpeechEngine
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK's websockets.legacy client
 

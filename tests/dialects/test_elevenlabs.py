@@ -16,11 +16,11 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from gateway.dialects.audio import alaw_decode, mp3_available
 from gateway.dialects.voices import ELEVENLABS
+from loadtest.simengine import FakeSpeechEngine
 from tests.dialects.conftest import CountingEngine
 from tests.dialects.mp3 import mp3_duration
 from tests.dialects.tls import tls_front
 from tests.gateway.conftest import GatewayFactory, wait_until
-from tests.gateway.fakes import FakeSpeechEngine
 
 RACHEL = "21m00Tcm4TlvDq8ikWAM"
 CHUNKS = ["Hello ", "there, ", "this is ", "the gateway ", "speaking ", "through the ElevenLabs ",

@@ -13,9 +13,9 @@ from typing import Any
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
 
+from loadtest.simengine import FakeSpeechEngine
 from tests.dialects.conftest import CountingEngine
 from tests.gateway.conftest import GatewayFactory, wait_until
-from tests.gateway.fakes import FakeSpeechEngine
 
 RACHEL = "21m00Tcm4TlvDq8ikWAM"
 QUERY = "model_id=eleven_flash_v2_5&output_format=pcm_16000&auto_mode=true&inactivity_timeout=180&sync_alignment=true"

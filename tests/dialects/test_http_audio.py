@@ -12,10 +12,10 @@ from deepgram import AsyncDeepgramClient, DeepgramClientEnvironment
 
 from gateway.dialects.audio import mp3_available
 from gateway.dialects.voices import DEEPGRAM, ELEVENLABS
+from loadtest.simengine import FakeSpeechEngine
 from tests.dialects.conftest import CountingEngine
 from tests.dialects.mp3 import mp3_duration
 from tests.gateway.conftest import GatewayFactory, wait_until
-from tests.gateway.fakes import FakeSpeechEngine
 
 RACHEL = "21m00Tcm4TlvDq8ikWAM"
 TEXT = "Hello there, this is the gateway speaking over plain HTTP. It streams as it is made."

@@ -16,8 +16,8 @@ from openai import AsyncOpenAI
 from websockets.asyncio.client import connect
 
 from gateway.dialects import voices
+from loadtest.simengine import FakeSpeechEngine
 from tests.gateway.conftest import GatewayFactory
-from tests.gateway.fakes import FakeSpeechEngine
 
 
 def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:

@@ -19,10 +19,10 @@ from websockets.exceptions import InvalidStatus
 
 from gateway import protocol as P
 from gateway.dialects.audio import mp3_available
+from loadtest.simengine import FakeSpeechEngine
 from tests.dialects.conftest import CountingEngine
 from tests.dialects.mp3 import mp3_duration
 from tests.gateway.conftest import GatewayFactory, wait_until
-from tests.gateway.fakes import FakeSpeechEngine
 
 TEXT = "Hello there. This is the gateway speaking through the OpenAI dialect, sentence by sentence."
 

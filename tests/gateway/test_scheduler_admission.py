@@ -10,8 +10,8 @@ from typing import Any
 
 from gateway.dispatch import EngineScheduler
 from gateway.server import GatewayServer
+from loadtest.simengine import FakeSpeechEngine
 from tests.gateway.conftest import wait_until
-from tests.gateway.fakes import FakeSpeechEngine
 from tests.gateway.wsclient import Client
 from voicegw.config import Config, EngineConfig, GatewayConfig, SchedulerConfig
 

@@ -18,8 +18,8 @@ from websockets.typing import Subprotocol
 from engine.api import SpeechEngine
 from gateway import protocol as P
 from gateway.audio import mulaw_decode
+from loadtest.simengine import FakeSpeechEngine
 from tests.gateway.conftest import GatewayFactory, wait_until
-from tests.gateway.fakes import FakeSpeechEngine
 from tests.gateway.wsclient import Client
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()

@@ -19,8 +19,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from gateway import protocol as P
 from gateway.app import configure_logging
 from gateway.server import GatewayServer
+from loadtest.simengine import FakeSpeechEngine
 from tests.gateway.conftest import GatewayFactory, wait_until
-from tests.gateway.fakes import FakeSpeechEngine
 from tests.gateway.wsclient import Client
 from tests.reliability.helpers import assert_drained, assert_still_serving
 from tests.reliability.rawws import (

@@ -23,8 +23,8 @@ import pytest
 
 from gateway import protocol as P
 from gateway.app import JsonFormatter
+from loadtest.simengine import FakeSpeechEngine
 from tests.gateway.conftest import GatewayFactory
-from tests.gateway.fakes import FakeSpeechEngine
 from tests.gateway.wsclient import Client
 from voicegw.config import LimitsConfig
 
