@@ -29,7 +29,7 @@ from websockets.protocol import State
 
 from gateway import protocol as P
 from gateway.dialects.base import Step, Translator
-from gateway.transport import ClientItem
+from gateway.transport import ClientItem, NativeTransport
 
 _CLOSE_WAIT_S = 2.0
 
@@ -95,7 +95,7 @@ class Inbox:
                     await self._ready.wait()
 
 
-class DialectSocket:
+class DialectSocket(NativeTransport):
     """A ``Transport`` for ``server._Connection`` that speaks a dialect on ``ws``."""
 
     def __init__(self, ws: ServerConnection, translator: Translator, *, report_interval_s: float = 0.1,
@@ -103,7 +103,7 @@ class DialectSocket:
         """``auth_timeout_s``: for a translator that authenticates in-band (``authenticated``
         attribute False at connect, ``on_auth_timeout()``): the connection is closed as the
         translator says unless it is authenticated within this many seconds of the handshake."""
-        self.ws = ws
+        super().__init__(ws)
         self.translator = translator
         self.auth_timeout_s = auth_timeout_s
         self.report_interval_s = report_interval_s
@@ -112,25 +112,7 @@ class DialectSocket:
         self._delivered = 0
         self._close_task: asyncio.Task[None] | None = None
 
-    # ---- the Transport ---------------------------------------------------------------------
-
-    @property
-    def remote_address(self) -> Any:
-        return self.ws.remote_address
-
-    @property
-    def close_code(self) -> int | None:
-        return self.ws.close_code
-
-    @property
-    def closed(self) -> bool:
-        return self.ws.state is State.CLOSED
-
-    def abort(self) -> None:
-        self.ws.transport.abort()
-
-    def raw_socket(self) -> Any:
-        return self.ws.transport.get_extra_info("socket")
+    # ---- the Transport (the connection's own state, close code and socket: NativeTransport's) ----
 
     def __aiter__(self) -> AsyncIterator[ClientItem]:
         return self._messages()
