@@ -50,6 +50,10 @@ DEEPGRAM_AV: Final[dict[str, tuple[tuple[int, ...], int, int]]] = {
 
 
 
+MAX_LINE_AUDIO_BYTES: Final = 65_536
+"""``/stream/with-timestamps``: most audio bytes in one JSON line (~1.4 s of 24 kHz PCM)."""
+
+
 class VendorError(Exception):
     """An error response in one vendor's shape: ``status``, ``code``, ``message``, ``headers``."""
 
@@ -280,8 +284,21 @@ class AudioResponder:
             self._ends_s += e0
             return []
         out = self._head()
-        line = {"audio_base64": base64.b64encode(audio).decode(), **self._alignment(chars, s0, e0)}
-        out.append(Body(orjson.dumps(line) + b"\n"))
+        # lines of at most MAX_LINE_AUDIO_BYTES of audio (clients read a line into a bounded
+        # buffer: aiohttp's default is 512 KiB, Pipecat's ElevenLabsHttpTTSService uses it); each
+        # line carries the characters that start in its stretch of the segment's audio
+        n_pieces = max(1, -(-len(audio) // MAX_LINE_AUDIO_BYTES))
+        seg_start_s, seg_end_s = t0, round((self._t_ms) / 1000.0, 3)
+        k = 0
+        for i in range(n_pieces):
+            piece = audio[i * MAX_LINE_AUDIO_BYTES:(i + 1) * MAX_LINE_AUDIO_BYTES]
+            until_s = seg_start_s + (seg_end_s - seg_start_s) * (i + 1) / n_pieces
+            j = len(chars) if i == n_pieces - 1 else k
+            while i < n_pieces - 1 and j < len(chars) and s0[j] < until_s:
+                j += 1
+            line = {"audio_base64": base64.b64encode(piece).decode(), **self._alignment(chars[k:j], s0[k:j], e0[k:j])}
+            out.append(Body(orjson.dumps(line) + b"\n"))
+            k = j
         return out
 
     def on_server_message(self, msg: dict[str, Any]) -> list[HttpOut]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import httpx
+import orjson
 import pytest
 from deepgram import AsyncDeepgramClient, DeepgramClientEnvironment
 
@@ -143,3 +145,26 @@ async def test_elevenlabs_with_timestamps(counting_engine: CountingEngine, make_
         assert len(audio2) == 2 * (counting_engine.total_samples - before) > 0
         chars = [ch for c in chunks if c.alignment is not None for ch in c.alignment.characters]
         assert "".join(chars) == TEXT
+
+
+async def test_stream_with_timestamps_lines_stay_small(make_gateway: GatewayFactory) -> None:
+    """A long segment's audio goes out in several lines (clients read a line into a bounded
+    buffer: aiohttp's 512 KiB, which Pipecat's ElevenLabsHttpTTSService uses); the characters are
+    shared out over them, all of them, in order."""
+    import base64
+
+    from gateway.dialects.http_audio import MAX_LINE_AUDIO_BYTES
+
+    text = "This one sentence runs on for a good while without any comma to cut it at all " * 2
+    async with make_gateway(FakeSpeechEngine(ms_per_char=40.0)) as server:
+        async with httpx.AsyncClient(timeout=30) as http:
+            r = await http.post(f"{server.url}/v1/text-to-speech/{RACHEL}/stream/with-timestamps",
+                                params={"output_format": "pcm_24000"}, json={"text": text.strip()},
+                                headers={"xi-api-key": "xi-test"})
+    lines = [orjson.loads(x) for x in r.content.splitlines() if x.strip()]
+    sizes = [len(base64.b64decode(x["audio_base64"])) for x in lines]
+    assert len(lines) > 2 and max(sizes) <= MAX_LINE_AUDIO_BYTES
+    chars = "".join(c for x in lines for c in x["alignment"]["characters"])
+    assert chars == text.strip()
+    starts = [t for x in lines for t in x["alignment"]["character_start_times_seconds"]]
+    assert starts == sorted(starts)
