@@ -240,9 +240,9 @@ class Alignment:
     def started(self, msg: dict[str, Any]) -> None:
         self._span = (int(msg.get("start_char", 0)), int(msg.get("end_char", 0)))
 
-    def done(self, samples: int, rate_hz: int) -> tuple[list[str], list[int], list[int]] | None:
-        """(chars, start_ms, duration_ms) of the segment just done, in whole ms (the starts are the
-        rounded running sum, so the last start + duration is the segment's rounded duration)."""
+    def done_ms(self, samples: int, rate_hz: int) -> tuple[list[str], list[float], list[float], int] | None:
+        """(chars, start_ms, duration_ms, how many leading chars are the gap) of the segment just
+        done, in ms from its start; None when no segment started."""
         if self._span is None:
             return None
         start, end = self._span
@@ -250,11 +250,19 @@ class Alignment:
         gap = self.text[self._prev_end:start] if start >= self._prev_end else ""
         seg = self.text[start:end]
         self._prev_end = max(self._prev_end, end)
-        total_ms = samples * 1000.0 / rate_hz
-        starts, durs = char_timings(seg, total_ms)
-        edges = [round(a) for a in starts] + [round(total_ms)]
-        chars = list(gap) + list(seg)
-        start_ms = [0] * len(gap) + edges[:-1]
-        dur_ms = [0] * len(gap) + [b - a for a, b in zip(edges, edges[1:], strict=False)]
-        return chars, start_ms, dur_ms
+        starts, durs = char_timings(seg, samples * 1000.0 / rate_hz)
+        return list(gap) + list(seg), [0.0] * len(gap) + starts, [0.0] * len(gap) + durs, len(gap)
 
+    def rest(self) -> str:
+        """The text after the last segment done (trailing spaces, marks not spoken)."""
+        return self.text[self._prev_end:]
+
+    def done(self, samples: int, rate_hz: int) -> tuple[list[str], list[int], list[int]] | None:
+        """``done_ms`` in whole ms (the starts are the rounded running sum, so the last start +
+        duration is the segment's rounded duration)."""
+        got = self.done_ms(samples, rate_hz)
+        if got is None:
+            return None
+        chars, starts, _, gap = got
+        edges = [round(a) for a in starts[gap:]] + [round(samples * 1000.0 / rate_hz)]
+        return chars, [0] * gap + edges[:-1], [0] * gap + [b - a for a, b in zip(edges, edges[1:], strict=False)]

@@ -32,9 +32,8 @@ import orjson
 from gateway import protocol as P
 from gateway.dialects import deepgram, elevenlabs, voices
 from gateway.dialects.audio import Encoder, OutputFormat, av_available, mp3_available, wav_stream_header
-from gateway.dialects.base import session_start
+from gateway.dialects.base import Alignment, session_start
 from gateway.dialects.openai import Abort, Body, End, Head, HttpOut
-from gateway.segmenter import char_timings
 
 ELEVENLABS_PATH_RE: Final = re.compile(r"^/v1/text-to-speech/([^/]{1,128})(/stream)?(/with-timestamps)?$")
 DEEPGRAM_MP3_KBPS: Final = 48
@@ -218,9 +217,8 @@ class AudioResponder:
         self.head_sent = False
         self.finished = False
         self.samples = 0
-        self._seg_text = ""
-        self._seg_span = (0, 0)
-        self._prev_end = 0
+        self._alignment_of = Alignment()
+        self._alignment_of.add_text(self.req.text)
         """Characters of the text before this are aligned (gaps: spaces, unspoken marks)."""
         self._seg_audio = bytearray()
         self._t_ms = 0.0
@@ -266,17 +264,12 @@ class AudioResponder:
         """A segment's audio is complete: its characters' times (an estimate within the segment,
         ``segmenter.char_timings``), as one JSON line when streaming."""
         dur_ms = samples * 1000.0 / self.req.fmt.session_rate_hz
-        start, end = self._seg_span
-        gap = self.req.text[self._prev_end:start] if start >= self._prev_end else ""
-        self._prev_end = max(self._prev_end, end)
-        starts, durs = char_timings(self._seg_text, dur_ms)
+        chars, starts, durs, _ = self._alignment_of.done_ms(samples, self.req.fmt.session_rate_hz) or ([], [], [], 0)
         t0 = round(self._t_ms / 1000.0, 3)
-        chars = list(gap) + list(self._seg_text)
-        s0 = [t0] * len(gap) + [round((self._t_ms + a) / 1000.0, 3) for a in starts]
-        e0 = [t0] * len(gap) + [round((self._t_ms + a + d) / 1000.0, 3) for a, d in zip(starts, durs, strict=True)]
+        s0 = [round((self._t_ms + a) / 1000.0, 3) for a in starts]
+        e0 = [round((self._t_ms + a + d) / 1000.0, 3) for a, d in zip(starts, durs, strict=True)]
         self._t_ms += dur_ms
         audio, self._seg_audio = bytes(self._seg_audio), bytearray()
-        self._seg_text = ""
         if not self.req.stream:
             self._audio += audio
             self._chars += chars
@@ -312,7 +305,7 @@ class AudioResponder:
             tail = self.encoder.flush()
             if self.req.timestamps:
                 audio = bytes(self._audio) + bytes(self._seg_audio) + tail
-                rest = list(self.req.text[self._prev_end:])  # trailing spaces or unspoken marks
+                rest = list(self._alignment_of.rest())  # trailing spaces or unspoken marks
                 t_end = round(self._t_ms / 1000.0, 3)
                 if self.req.stream:
                     if audio or rest:
@@ -331,8 +324,7 @@ class AudioResponder:
             out.append(End())
             return out
         if self.req.timestamps and mtype == P.ServerType.SEGMENT_STARTED.value:
-            self._seg_text = str(msg.get("text", ""))
-            self._seg_span = (int(msg.get("start_char", 0)), int(msg.get("end_char", 0)))
+            self._alignment_of.started(msg)
             return []
         if self.req.timestamps and mtype == P.ServerType.SEGMENT_DONE.value:
             return self._segment_done(int(msg.get("samples", 0)))
