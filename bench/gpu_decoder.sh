@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The decoder issue's GPU measurement, call A (after the calls that carry the vLLM parts .gpu1..7):
+# The decoder issue's GPU measurement, call A (after the calls that carry the vLLM parts .gpu1..8 made by bench/gpu_stage.sh):
 #   host setup (bench/gpu_host_setup.sh); bench.decoder_bench (static-shape decoder alone: ms per
 #   forward and x real time per batch, eager baseline in the same run; the lookahead table; thread
 #   vs process placement); bench.gpu_e2e floor + e2e (engine floor, steady levels, closed loop).
 # Carry: .gpudeps .gpuw .gpukit. Results: $OUT/*.json|md|log and $OUT/all.tgz (everything).
 # Call B: PHASE=B bash bench/gpu_decoder.sh (decoder bench, steady 64/256 with raw records and py-spy of
 #   the gateway at 256, then the burst under deadline priorities and under FCFS).
+# DECODER=0 skips the decoder bench; PHASES_B=burst runs only the burst in call B; SPY=0 no py-spy
+# in call B; EXACT_S>0 adds the exact-mode levels 1,64 after either call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -21,7 +23,7 @@ nvidia-smi dmon -s u -d 1 > "$RES/dmon.txt" 2>&1 &
 DMON=$!
 left() { echo $(( ${BUDGET_S:-575} - ($(date +%s) - T0) )); }
 if [ "$PHASE" = A ] || [ "$PHASE" = C ]; then
-  timeout 170 python3 -m bench.decoder_bench --device cuda --batches 1,16,64,256 --json-out "$RES/decoder.json" \
+  [ "${DECODER:-1}" = 1 ] && timeout 170 python3 -m bench.decoder_bench --device cuda --batches 1,16,64,256 --json-out "$RES/decoder.json" \
     > "$RES/decoder.log" 2>&1
   echo "decoder bench rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
   if [ "$PHASE" = C ]; then
@@ -48,22 +50,29 @@ if [ "$PHASE" = A ] || [ "$PHASE" = C ]; then
     echo "exact gpu_e2e rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
   fi
 else
-  timeout 170 python3 -m bench.decoder_bench --device cuda --batches 1,16,64,256 --json-out "$RES/decoder.json" \
+  [ "${DECODER:-1}" = 1 ] && timeout 170 python3 -m bench.decoder_bench --device cuda --batches 1,16,64,256 --json-out "$RES/decoder.json" \
     > "$RES/decoder.log" 2>&1
   echo "decoder bench rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
   python3 -m pip install -q --no-index --no-deps --target /tmp/spy .gpuw/py_spy-*.whl >> "$RES/setup.log" 2>&1
   SPY=$(ls /tmp/spy/bin/py-spy 2>/dev/null || echo py-spy)
-  (  # py-spy on the gateway process during the 256-session level
+  [ "${SPY:-1}" != 0 ] && (  # py-spy on the gateway process during the 256-session level
     for _ in $(seq 600); do grep -q "steady 256 sessions" "$RES/e2e.log" 2>/dev/null && break; sleep 1; done
     sleep 5
     GW=$(pgrep -n -f "python3 -m voicegw.cli serve")
     [ -n "$GW" ] && timeout 20 "$SPY" record -p "$GW" -d 8 -r 100 --format raw -o "$RES/spy-gateway-256.txt" > "$RES/spy.log" 2>&1
   ) &
-  M=$(python3 -c "print(round(($(left) - 25) / 60, 2))")
-  timeout $(( $(left) - 10 )) python3 -m bench.gpu_e2e --phases e2e,burst --fresh --sessions "${SESSIONS:-64,256}" \
+  M=$(python3 -c "print(round(($(left) - 25 - ${EXACT_S:-0}) / 60, 2))")
+  timeout $(( $(left) - 10 - ${EXACT_S:-0} )) python3 -m bench.gpu_e2e --phases "${PHASES_B:-e2e,burst}" --fresh --sessions "${SESSIONS:-64,256}" \
     --duration 12 --settle 5 --compare-concurrency "" --throughput-sessions 0 --max-minutes "$M" --out "$RES/e2e" \
     --keep-raw ${E2E_ARGS:-} > "$RES/e2e.log" 2>&1
   echo "gpu_e2e rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
+  if [ "${EXACT_S:-0}" -gt 0 ] && [ "$(left)" -gt 150 ]; then
+    M=$(python3 -c "print(round(($(left) - 20) / 60, 2))")
+    timeout $(( $(left) - 8 )) python3 -m bench.gpu_e2e --phases e2e --fresh --sessions 1,64 --duration 10 --settle 4 \
+      --compare-concurrency "" --throughput-sessions 0 --warmup-s 3 --max-minutes "$M" --out "$RES/exact" \
+      --gateway-arg engine.decoder_lookahead_steps=-1 > "$RES/exact.log" 2>&1
+    echo "exact gpu_e2e rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
+  fi
 fi
 kill $DMON 2>/dev/null
 git rev-parse HEAD > "$RES/commit.txt" 2>/dev/null || true

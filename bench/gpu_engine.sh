@@ -4,7 +4,7 @@
 #   stock-vLLM baseline (a Llama of the GPT's shape) in the same process, bursts of 1/64/256/512
 #   streams x STEPS steps, CUDA graphs + async scheduling, py-spy on the plugin's engine core
 #   during the 256 burst, nvidia-smi dmon beside it. Everything lands under $OUT.
-# Carry: .gpudeps .gpuw .gpukit (copies of ../shared/gpu/*.py); calls before it carry the parts .gpu1...gpu7.
+# Carry: .gpudeps .gpuw .gpukit (copies of ../shared/gpu/*.py); calls before it carry the parts .gpu1...gpu8 (bench/gpu_stage.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}

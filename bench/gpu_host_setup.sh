@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepare an offline GPU host (python3.12 + torch 2.11 cu130, no package index) to run voicegw:
-#   - vLLM 0.26.0 from the staged parts (.gpu1..7 -> /tmp/parts, 45 MB each: the tree travels too) and .gpudeps
+#   - vLLM 0.26.0 from the staged parts (bench/gpu_stage.sh: .gpu1..8 -> /tmp/parts, 40 MB each: the tree travels too) and .gpudeps
 #   - the small wheels voicegw needs beside it (.gpuw: websockets, uvloop, orjson, soxr, vocos, ...)
 #   - the voicegw vLLM plugin entry point (a dist-info in /tmp/site; the repo itself is on PYTHONPATH)
 #   - a no-op numba for upstream ChatTTS's text normaliser (not used; numba is not on the host)

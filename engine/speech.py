@@ -211,6 +211,8 @@ class ChatTTSSpeech:
         lead = StreamLead(SAMPLES_PER_STEP / NATIVE_SAMPLE_RATE_HZ)
         frames_iter: AsyncIterator[CodeFrames] = self._code.generate(request)
         finished = False
+        t_arrival0: float | None = None
+        arrival0 = 0
         try:
             async for frames in frames_iter:
                 if aborted.is_set() or frames.finish_reason == "abort":
@@ -220,6 +222,8 @@ class ChatTTSSpeech:
                 if x is not None and x.shape[0]:
                     pending.append(x)
                     received += x.shape[0]
+                    if t_arrival0 is None:
+                        t_arrival0, arrival0 = loop.time(), received
                 final = frames.finished
                 while True:
                     n = policy.push_steps(received, decoded, final, lead.lead_steps(loop.time()))
@@ -238,6 +242,16 @@ class ChatTTSSpeech:
                     if pcm:
                         yield AudioChunk(rid, pcm, rate, steps=decoded - reported)
                         reported = decoded
+                if not final and t_arrival0 is not None:
+                    # Nothing is due until the next chunk's steps are in: read the code stream once
+                    # for them rather than once per GPT step (ChunkPolicy.idle_s). Barge-in wakes it.
+                    now = loop.time()
+                    span = now - t_arrival0
+                    arrival = (received - arrival0) / span if span > 0.02 and received > arrival0 else None
+                    wait_s = policy.idle_s(received, decoded, lead.lead_steps(now), lead.step_s, arrival)
+                    if wait_s:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(aborted.wait(), wait_s)
             if aborted.is_set():
                 yield AudioChunk(rid, b"", rate, finished=True, steps=0)
                 finished = True

@@ -20,8 +20,8 @@ Policy:
 Boundaries: CJK punctuation and newlines are boundaries at once. ASCII ``. , ; : ! ?`` are
 boundaries when followed by whitespace (so ``3.14``, ``1,000``, ``10:30`` are not); at the end
 of the text so far, ``!``/``?`` and a ``,``/``;`` right after a letter are boundaries at once
-(nothing that follows can undo them), while a trailing ``.`` or ``:`` waits for the next piece
-(it may be ``3.`` of ``3.14``). Closing quotes and brackets right after the mark belong to the
+and ``.`` after a plain word (nothing that follows can undo them), while a trailing ``.`` after a
+digit or an initial, or a ``:``, waits for the next piece (it may be ``3.`` of ``3.14``). Closing quotes and brackets right after the mark belong to the
 segment. A few abbreviations (``Mr.``, ``e.g.``) are not sentence ends.
 
 Units measure length roughly in speaking time: one per non-space character, three per CJK
@@ -120,13 +120,21 @@ def find_boundaries(text: str) -> list[Boundary]:
 
 def _certain_at_end(text: str, mark: int) -> bool:
     """A mark run that ends the text so far is a boundary without waiting for the next piece
-    when no next piece can undo it: ``!``/``?`` runs (no number or abbreviation has them), and
-    ``,``/``;`` right after a letter (``1,000`` has a digit before its comma). A trailing ``.``
-    or ``:`` waits (``3.14``, ``e.g.``, ``10:30``). The next token of an LLM stream typically
-    arrives tens of ms later: that is time to first audio saved."""
+    when no next piece can undo it: ``!``/``?`` runs (no number or abbreviation has them),
+    ``,``/``;`` right after a letter (``1,000`` has a digit before its comma), and a single ``.``
+    after a word of two or more letters that is not an abbreviation nor part of a dotted name
+    (LLM tokenizers put a domain's dot with what follows it: ``.com``). A ``.`` after a digit, an
+    initial or a dotted name, and a trailing ``:`` wait (``3.14``, ``J.``, ``e.g.``, ``10:30``).
+    The next token of an LLM stream typically arrives tens of ms later: that is time to first
+    audio saved."""
     run = text[mark:]
     if run and all(c in "!?" for c in run):
         return True
+    if run == "." and mark > 1:
+        k = mark
+        while k > 0 and text[k - 1].isalpha():
+            k -= 1
+        return mark - k >= 2 and (k == 0 or text[k - 1] not in "./@") and not _is_abbreviation(text, mark)
     return run in (",", ";") and mark > 0 and text[mark - 1].isalpha()
 
 

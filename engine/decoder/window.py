@@ -207,6 +207,14 @@ class WindowSpec:
         return out
 
 
+COALESCE_MARGIN_S = 0.3
+"""``ChunkPolicy.idle_s``: lead a stream keeps in hand whatever it waits for."""
+COALESCE_MIN_S = 0.004
+"""Shorter waits are not worth a timer."""
+COALESCE_MAX_S = 0.5
+"""Longest single wait (the stream re-reads its lead and the engine's rate after it)."""
+
+
 @dataclass(frozen=True)
 class ChunkPolicy:
     """When a stream is worth a decoder forward, in GPT steps.
@@ -294,6 +302,31 @@ class ChunkPolicy:
         if finished or self.audible_steps(decoded_steps) == 0:
             return pending
         return min(pending, self.push_cap_steps)
+
+    def steps_short(self, received_steps: int, decoded_steps: int, lead_steps: float | None) -> int:
+        """Audible steps still to arrive before the next forward is due (0: due now, or before
+        the first audio, where every step counts)."""
+        done = self.audible_steps(decoded_steps)
+        if done <= 0 or lead_steps is None:
+            return 0
+        have = self.audible_steps(received_steps) - done
+        return max(0, self.next_chunk_steps(done, lead_steps) - have)
+
+    def idle_s(self, received_steps: int, decoded_steps: int, lead_steps: float | None, step_s: float,
+               arrival_steps_per_s: float | None, margin_s: float = COALESCE_MARGIN_S) -> float:
+        """How long a stream may leave its code stream unread without changing when a forward
+        runs: the time the engine needs for the steps the next chunk still waits for (at the rate
+        steps arrived so far), less a quarter for the estimate, and never eating into the last
+        ``margin_s`` of the stream's lead (halved: the wait also spends lead). Reading once per
+        chunk instead of once per GPT step is what keeps the consumer's event loop off the hot
+        path at hundreds of streams (the code stream merges what arrives meanwhile)."""
+        short = self.steps_short(received_steps, decoded_steps, lead_steps)
+        if short <= 0 or not arrival_steps_per_s or arrival_steps_per_s <= 0 or lead_steps is None:
+            return 0.0
+        wait_s = 0.75 * short / arrival_steps_per_s
+        spare_s = 0.5 * (lead_steps * step_s - margin_s)
+        wait_s = min(wait_s, spare_s, COALESCE_MAX_S)
+        return wait_s if wait_s >= COALESCE_MIN_S else 0.0
 
     def emit_steps(self, received_steps: int) -> int:
         """Steps of audio to emit after decoding ``received_steps`` (not final)."""

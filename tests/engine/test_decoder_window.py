@@ -127,3 +127,28 @@ def test_chunk_policy_sequence() -> None:
     assert pushes[0] == 56  # first audio at 4 + 52 steps (windows are stateless: nothing to pre-decode)
     assert p2.ready(3, 3, finished=True)
     assert not p2.ready(3, 3, finished=False)
+
+
+def test_idle_s_reads_once_per_chunk_without_moving_a_forward() -> None:
+    """The wait before the code stream is read again (ChunkPolicy.idle_s): none before the first
+    audio or when a forward is due; with a comfortable lead, about the time the engine needs for
+    the rest of the next chunk, and never into the last COALESCE_MARGIN_S of the lead."""
+    from engine.decoder.window import COALESCE_MARGIN_S, COALESCE_MAX_S
+
+    p = ChunkPolicy(first_chunk_steps=4, chunk_steps=16, lookahead_steps=8)
+    step_s = 512 / 24_000
+    assert p.idle_s(5, 0, None, step_s, 100.0) == 0.0  # before the first audio
+    # 40 decoded (32 audible), lead 60 steps: the next chunk wants 16 audible steps
+    assert p.steps_short(40, 40, 60.0) == 16
+    w = p.idle_s(40, 40, 60.0, step_s, 100.0)
+    assert w == pytest.approx(0.75 * 16 / 100.0)
+    assert not p.ready(40 + int(w * 100.0), 40, finished=False, lead_steps=60.0 - w / step_s)
+    assert p.idle_s(56, 40, 60.0, step_s, 100.0) == 0.0  # due now
+    assert p.idle_s(40, 40, 60.0, step_s, None) == 0.0  # no rate yet
+    # a slow engine: the wait is capped by the lead, which keeps its margin
+    lead = 30.0
+    w = p.idle_s(40, 40, lead, step_s, 5.0)
+    assert 0 < w <= 0.5 * (lead * step_s - COALESCE_MARGIN_S) + 1e-9
+    assert lead * step_s - w >= COALESCE_MARGIN_S
+    assert p.idle_s(40, 40, 10.0, step_s, 5.0) == 0.0  # lead under the margin: read at once
+    assert p.idle_s(40, 40, 1e6, step_s, 1.0) == COALESCE_MAX_S

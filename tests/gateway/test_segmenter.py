@@ -42,6 +42,9 @@ def test_a_mark_nothing_can_undo_is_a_boundary_without_the_next_piece():
     assert ends("Really?!") == [("Really?!", True)]
     assert ends("Is it 3?") == [("Is it 3?", True)]
     assert ends("first; second;") == [("first;", False), ("first; second;", False)]
+    assert ends("Let me know.") == [("Let me know.", True)]
+    assert ends("Ask J.") == [] and ends("in the U.S.") == [] and ends("see e.g.") == []
+    assert ends("at www.example.") == [] and ends("Ask Dr.") == [] and ends("It is 3.") == []
     seg = Segmenter(SegmenterConfig(first_min_units=10))
     seg.feed("Sure thing my friend", 0.0)
     assert seg.next_segment(0.0) is None
