@@ -58,6 +58,8 @@ class SegmentRecord:
     """Client buffer just before this segment's first audio arrived."""
     gap_ms: float | None = None
     """Silence heard before this segment's first audio (an underrun that this audio ended)."""
+    t_text_complete: float | None = None
+    """The ``text.delta`` that completed this segment's text was sent."""
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -204,8 +206,9 @@ class _Session:
             end = self._segment_text_end(msg)
             if end is not None:
                 seg.text_chars = end
+                seg.t_text_complete = self._sent_time_of_char(end)
                 if idx == 0 and utt.t_first_segment_text is None:
-                    utt.t_first_segment_text = self._sent_time_of_char(end)
+                    utt.t_first_segment_text = seg.t_text_complete
         elif mtype == P.ServerType.SEGMENT_DONE:
             utt = self._utt_for(uid)
             if utt is not None:

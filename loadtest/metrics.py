@@ -14,7 +14,8 @@ Definitions (also in docs/loadtest.md):
   same moment (``shared_underruns``: whole-server stalls); what a scheduling policy decides.
 * ``segment_gap_ms``: silence heard at a segment boundary: when segment i+1's first audio
   arrives during an underrun, the time since that underrun began (else 0).
-  ``segment_gaps_heard`` counts boundaries with a gap. ``boundary_buffer_ms``: client buffer
+  ``segment_gaps_heard`` counts boundaries with a gap; ``underruns_text_starved`` those whose
+  text was complete less than ``TEXT_STARVED_SLACK_S`` before the buffer ran dry. ``boundary_buffer_ms``: client buffer
   just before segment i+1's first audio (how close the boundary came to a gap).
   ``wire_gap_ms``: arrival of segment i+1's first audio minus segment i's last audio (includes
   flow-control pauses; only informative).
@@ -60,6 +61,9 @@ def _ms(a: float | None, b: float | None) -> float | None:
     return (a - b) * 1000.0
 
 
+#: A segment-boundary gap whose text was complete less than this before the buffer ran dry is
+#: text-starved (``text_starved_gap``): the seg-TTFA goal at 64 sessions.
+TEXT_STARVED_SLACK_S = 0.1
 #: An underrun starting or ending this close to a client stall is counted as caused by it.
 STALL_MARGIN_S = 0.3
 
@@ -79,6 +83,16 @@ def client_stall_summary(sessions: list[dict[str, Any]]) -> dict[str, Any]:
     lengths = [(b - a) for a, b in spans]
     return {"count": len(spans), "total_s": round(sum(lengths), 2),
             "max_ms": round(max(lengths) * 1000.0, 1) if lengths else 0.0}
+
+
+def text_starved_gap(seg: dict[str, Any], slack_s: float = TEXT_STARVED_SLACK_S) -> bool:
+    """A gap before a segment whose text the client completed less than ``slack_s`` before the
+    listener's buffer ran dry: no server could have filled it (the previous segment's audio was
+    shorter than the time the text took to arrive; random-weight checkpoints stop early)."""
+    gap, t_audio, t_text = seg.get("gap_ms"), seg.get("t_first_audio"), seg.get("t_text_complete")
+    if not gap or t_audio is None or t_text is None:
+        return False
+    return bool(t_text > t_audio - gap / 1000.0 - slack_s)
 
 
 def stalled_underruns(sessions: list[dict[str, Any]], margin_s: float = STALL_MARGIN_S) -> set[tuple[int, int]]:
@@ -109,6 +123,7 @@ def utterance_rows(sessions: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 g = _ms(b["t_first_audio"], a["t_last_audio"])
                 if g is not None:
                     wire_gaps.append(g)
+            text_starved = sum(1 for g in segs[1:] if text_starved_gap(g))
             boundary_buffer = [g["buffered_ms_at_first_audio"] for g in segs[1:]
                                if g.get("buffered_ms_at_first_audio") is not None]
             silence = None
@@ -131,6 +146,7 @@ def utterance_rows(sessions: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "segment_gaps_ms": gaps,
                     "wire_gaps_ms": wire_gaps,
                     "boundary_buffer_ms": boundary_buffer,
+                    "text_starved_gaps": text_starved,
                     "cancelled": u["t_cancel"] is not None,
                     "cancel_to_silence_ms": silence,
                     "cancel_to_ack_ms": _ms(u["t_cancelled"], u["t_cancel"]),
@@ -238,6 +254,7 @@ def _group_metrics(sessions: list[dict[str, Any]], rows: list[dict[str, Any]], w
         "sessions_with_underruns": sum(1 for s in sessions if s["underruns"]),
         "segment_gap_ms": summarize(g for r in rows for g in r["segment_gaps_ms"]),
         "segment_gaps_heard": sum(1 for r in rows for g in r["segment_gaps_ms"] if g > 0),
+        "underruns_text_starved": sum(r["text_starved_gaps"] for r in rows),
         "wire_gap_ms": summarize(g for r in rows for g in r["wire_gaps_ms"]),
         "boundary_buffer_ms": summarize(g for r in rows for g in r["boundary_buffer_ms"]),
         "cancel_to_silence_ms": summarize(r["cancel_to_silence_ms"] for r in cancelled),

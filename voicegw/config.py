@@ -117,8 +117,11 @@ class EngineConfig(_Checked):
     """vLLM: split long prefills across steps so running streams keep stepping."""
     enable_prefix_caching: bool = True
     """vLLM: reuse KV of shared prompt prefixes (salted per speaker)."""
-    scheduling_policy: str = "priority"
-    """vLLM: ``priority`` (deadline-aware, see scheduler) or ``fcfs``."""
+    scheduling_policy: str = "fcfs"
+    """vLLM: ``fcfs`` or ``priority`` (the gateway's deadline priorities, see scheduler). fcfs is
+    the default: on an H200 the deadline priorities lost to fcfs in both burst runs (2026-12-01:
+    newcomers' TTFA p99 4,669 vs 4,062 ms, playing streams' underruns 498 vs 484; 2026-12-02:
+    newcomers 3,535 vs 4,602 ms but playing streams' underruns 366 vs 187; bench/RESULTS.md)."""
     kv_cache_gib: float = 2.0
     """vLLM KV cache size on CPU, GiB (passed as ``kv_cache_memory_bytes``; a
     ``VLLM_CPU_KVCACHE_SPACE`` in the environment is removed while vLLM starts, so this wins)."""

@@ -290,3 +290,15 @@ def test_scrape_counter_delta_and_breakdown() -> None:
     assert counter_delta(None, after, "voicegw_segments_total") == 1.0
     b = server_breakdown(before, after)
     assert b["admission_refused"] == 3.0
+
+
+def test_a_gap_before_text_that_had_not_arrived_is_text_starved() -> None:
+    from loadtest.metrics import TEXT_STARVED_SLACK_S, text_starved_gap
+
+    # the buffer ran dry at 10.0 s (gap 200 ms before the first audio at 10.2 s)
+    seg = {"gap_ms": 200.0, "t_first_audio": 10.2, "t_text_complete": 9.95}
+    assert text_starved_gap(seg)  # text completed 50 ms before the buffer ran dry: starved
+    seg["t_text_complete"] = 10.0 - TEXT_STARVED_SLACK_S - 0.05
+    assert not text_starved_gap(seg)  # the server had the text in time
+    assert not text_starved_gap({"gap_ms": 0.0, "t_first_audio": 1.0, "t_text_complete": 2.0})
+    assert not text_starved_gap({"gap_ms": 50.0, "t_first_audio": 1.0})
