@@ -5,9 +5,10 @@
 #   vs process placement); bench.gpu_e2e floor + e2e (engine floor, steady levels, closed loop).
 # Carry: .gpudeps .gpuw .gpukit. Results: $OUT/*.json|md|log and $OUT/all.tgz (everything).
 # Call B: PHASE=B bash bench/gpu_decoder.sh (decoder bench, steady 64/256 with raw records and py-spy of
-#   the gateway at 256, then the burst under deadline priorities and under FCFS).
+#   the gateway at 256, then the burst: 64 newcomers while 192 sessions play).
 # DECODER=0 skips the decoder bench; PHASES_B=burst runs only the burst in call B; SPY=0 no py-spy
-# in call B; EXACT_S>0 adds the exact-mode levels 1,64 after either call.
+# in call B; EXACT_S>0 adds the exact-mode levels 1,64 after either call; ALT_ARGS="engine.X=V ..." adds
+# (call C) a second gateway with those settings, levels ALT_SESSIONS (default 1,64), for a same-call A/B.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -29,11 +30,15 @@ if [ "$PHASE" = A ] || [ "$PHASE" = C ]; then
   if [ "$PHASE" = C ]; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/spy .gpuw/py_spy-*.whl >> "$RES/setup.log" 2>&1
     SPY=$(ls /tmp/spy/bin/py-spy 2>/dev/null || echo py-spy)
-    (  # py-spy (non-blocking: the gateway is not paused) during the 256-session level
+    (  # py-spy (non-blocking: nothing is paused) of the gateway and of vLLM's engine core during
+       # the 256-session level, from SPY_DELAY s after it starts (default 1: the sessions' arrival)
       for _ in $(seq 600); do grep -q "steady 256 sessions" "$RES/e2e.log" 2>/dev/null && break; sleep 1; done
-      sleep 5
+      sleep "${SPY_DELAY:-1}"
       GW=$(pgrep -n -f "python3 -m voicegw.cli serve")
-      [ -n "$GW" ] && timeout 15 "$SPY" record --nonblocking -p "$GW" -d 6 -r 50 --format raw -o "$RES/spy-gateway-256.txt" > "$RES/spy.log" 2>&1
+      CORE=$(pgrep -n -f "EngineCore")
+      [ -n "$CORE" ] && timeout 15 "$SPY" record --nonblocking -p "$CORE" -d 8 -r 50 --format raw -o "$RES/spy-core-256.txt" > "$RES/spy-core.log" 2>&1 &
+      [ -n "$GW" ] && timeout 15 "$SPY" record --nonblocking -p "$GW" -d 8 -r 50 --format raw -o "$RES/spy-gateway-256.txt" > "$RES/spy.log" 2>&1
+      wait
     ) &
   fi
   M=$(python3 -c "print(round(($(left) - 25 - ${EXACT_S:-0}) / 60, 2))")
@@ -42,6 +47,13 @@ if [ "$PHASE" = A ] || [ "$PHASE" = C ]; then
     --compare-concurrency "" --throughput-sessions 512 --max-minutes "$M" --out "$RES/e2e" \
     ${E2E_ARGS:-} > "$RES/e2e.log" 2>&1
   echo "gpu_e2e rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
+  if [ -n "${ALT_ARGS:-}" ] && [ "$(left)" -gt 150 ]; then  # a second gateway: the default with ALT_ARGS (space-separated SECTION.FIELD=VALUE)
+    M=$(python3 -c "print(round(($(left) - 20 - ${EXACT_S:-0}) / 60, 2))")
+    GA=(); for a in $ALT_ARGS; do GA+=(--gateway-arg "$a"); done
+    timeout $(( $(left) - 8 - ${EXACT_S:-0} )) python3 -m bench.gpu_e2e --phases e2e --fresh --sessions "${ALT_SESSIONS:-1,64}" --duration 12 --settle 5 \
+      --compare-concurrency "" --throughput-sessions 0 --warmup-s 4 --max-minutes "$M" --out "$RES/alt" ${E2E_ARGS:-} "${GA[@]}" > "$RES/alt.log" 2>&1
+    echo "alt gpu_e2e ($ALT_ARGS) rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
+  fi
   if [ "${EXACT_S:-0}" -gt 0 ] && [ "$(left)" -gt 150 ]; then  # exact mode: seg-TTFA beside the default
     M=$(python3 -c "print(round(($(left) - 20) / 60, 2))")
     timeout $(( $(left) - 8 )) python3 -m bench.gpu_e2e --phases e2e --fresh --sessions 1,64 --duration 10 --settle 4 \
@@ -81,6 +93,8 @@ cp "$RES/setup.log" "$OUT/" 2>/dev/null
 [ -f "$RES/e2e/gpu_e2e.json" ] && cp "$RES/e2e/gpu_e2e.json" "$OUT/"
 [ -f "$RES/e2e/gpu_e2e.md" ] && cp "$RES/e2e/gpu_e2e.md" "$OUT/"
 [ -f "$RES/exact/gpu_e2e.md" ] && cp "$RES/exact/gpu_e2e.md" "$OUT/gpu_e2e_exact.md"
+[ -f "$RES/alt/gpu_e2e.md" ] && cp "$RES/alt/gpu_e2e.md" "$OUT/gpu_e2e_alt.md"
+[ -f "$RES/alt/gpu_e2e.json" ] && cp "$RES/alt/gpu_e2e.json" "$OUT/gpu_e2e_alt.json"
 tar czf "$OUT/all-$PHASE.tgz" -C "$RES" . 2>/dev/null
 tail -25 "$RES/decoder.log" 2>/dev/null
 grep -E "real time|healthy in|level|TTFA" "$RES/e2e.log" | tail -30

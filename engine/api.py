@@ -14,7 +14,7 @@ No WebSocket concept crosses this module. Pure data + protocols: no torch, no as
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -70,8 +70,6 @@ class SpeechRequest:
     for the engine's default voice."""
     params: SamplingParams = field(default_factory=SamplingParams)
     """Sampling parameters."""
-    priority: int = 0
-    """Scheduling priority: lower runs first (vLLM ``scheduling_policy="priority"``)."""
     sample_rate_hz: int = NATIVE_SAMPLE_RATE_HZ
     """Sample rate wanted for audio (SpeechEngine only): 8000, 16000, 24000 or 48000."""
     prefix_codes: np.ndarray | None = field(default=None, compare=False)
@@ -145,6 +143,10 @@ class EngineHealth:
     running_requests: int
     """Requests currently inside the engine (must return to 0 after aborts)."""
     detail: str = ""
+    counters: Mapping[str, float] = field(default_factory=dict)
+    """Monotonic totals since start, engine-specific names (the vLLM engine: ``requests``,
+    ``first_outputs``, ``ttft_s``, ``steps``, ``outputs``; the decoder: ``decode_jobs``,
+    ``decode_s``). ``gateway.monitor`` logs their rates."""
 
 
 @runtime_checkable

@@ -3,10 +3,9 @@
 Flow control: ``synthesize`` is an async generator pulled lazily. It reads code frames from
 the code engine and runs a decoder forward only while the consumer is waiting for the next
 chunk; when the consumer stops pulling, nothing more is read or decoded for that request
-(the code engine's own stream buffers what the GPT keeps producing; the gateway's scheduler
-lowers the priority of streams that are far ahead). Per request at most one chunk of audio
-is decoded and not yet taken: the one being handed to the consumer. The decoder's job queue
-(``DecoderClient``, bounded) is shared by all requests.
+(the code engine's own stream buffers what the GPT keeps producing). Per request at most one
+chunk of audio is decoded and not yet taken: the one being handed to the consumer. The
+decoder's job queue (``DecoderClient``, bounded) is shared by all requests.
 
 Chunking (``ChunkPolicy``): first audio once ``first_chunk_steps`` steps are audible, then
 chunks that follow the stream's lead over real-time playback (``StreamLead``), up to
@@ -84,6 +83,7 @@ class ChatTTSSpeech:
     def __init__(self, code_engine: CodeEngine, decoder: DecoderClient, cfg: EngineConfig) -> None:
         self._code = code_engine
         self._decoder = decoder
+        self._decode_counters: dict[str, float] = {"decode_jobs": 0.0, "decode_s": 0.0}
         self.name = code_engine.name
         self.use_hidden = bool(cfg.use_hidden_decoder)
         if self.use_hidden == decoder.uses_codes:
@@ -122,6 +122,7 @@ class ChatTTSSpeech:
 
     def health(self) -> EngineHealth:
         h = self._code.health()
+        h = replace(h, counters={**h.counters, **self._decode_counters})
         if self.restarting:
             h = replace(h, healthy=False, detail="restarting after a crash" + (f" ({h.detail})" if h.detail else ""))
         if not self._decoder.healthy:
@@ -289,7 +290,12 @@ class ChatTTSSpeech:
         dtype = np.float32 if self.use_hidden else np.int64
         x = np.concatenate(pending) if pending else np.zeros((0, sd), dtype)
         emit = received if final else self.policy.emit_steps(received)
-        return await stream.push(x, final=final, emit_steps=emit)  # type: ignore[no-any-return]
+        t0 = time.monotonic()
+        audio = await stream.push(x, final=final, emit_steps=emit)
+        c = self._decode_counters
+        c["decode_jobs"] += 1
+        c["decode_s"] += time.monotonic() - t0
+        return audio  # type: ignore[no-any-return]
 
     @staticmethod
     def _encode(resampler: StreamResampler, audio: np.ndarray, last: bool) -> bytes:

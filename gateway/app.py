@@ -14,7 +14,7 @@ import orjson
 
 from engine.api import SpeechEngine
 from gateway.metrics import GatewayMetrics
-from gateway.scheduling import PriorityFn
+from gateway.monitor import LoadMonitor
 from gateway.server import GatewayServer
 from gateway.session import SessionSettings
 from voicegw.config import Config, GatewayConfig
@@ -31,15 +31,15 @@ async def serve(
     static_dir: Path | None = None,
     metrics: GatewayMetrics | None = None,
     settings: SessionSettings | None = None,
-    priority_fn: PriorityFn | None = None,
     on_ready: Callable[[GatewayServer], None] | None = None,
 ) -> None:
     """Serve until ``stop`` is set (or the task is cancelled), then shut down gracefully:
     stop accepting, let utterances finish up to ``gateway.shutdown_grace_s`` (or until
     ``force_stop``), close 1012. The engine must be started; it is not closed here."""
-    server = GatewayServer(config, engine, static_dir=static_dir, metrics=metrics, settings=settings,
-                           priority_fn=priority_fn)
+    server = GatewayServer(config, engine, static_dir=static_dir, metrics=metrics, settings=settings)
     await server.start()
+    monitor = LoadMonitor(engine, server.metrics, config.gateway.load_log_interval_s, lambda: len(server.connections))
+    monitor.start()
     if on_ready is not None:
         on_ready(server)
     try:
@@ -48,6 +48,7 @@ async def serve(
         else:
             await stop.wait()
     finally:
+        await monitor.stop()
         await server.shutdown(force=force_stop)
 
 

@@ -3,13 +3,11 @@
 One ``EngineScheduler`` per ``GatewayServer`` (``for_server``), shared by its connections. It
 is the thin shell around the pure policy of ``gateway.scheduling``: ``admit`` asks the
 ``AdmissionController`` before an utterance's first segment goes to the engine, from the engine's
-load (``SpeechEngine.health().running_requests``, the batch limit ``engine.max_num_seqs``, first
-segments still waiting for output) and the step time it learned from chunk arrivals
-(``observe_chunk``). ``scheduler.admission``. ``submit``/``first_output``/``release`` keep the
-first segments without audio yet (the queue a new utterance meets under priority scheduling).
+load (``SpeechEngine.health().running_requests``, the batch limit ``engine.max_num_seqs``) and
+the step time it learned from chunk arrivals (``observe_chunk``). ``scheduler.admission``.
 
-No policy lives here: numbers in, decisions out. (Gateway-side dispatch, preemption, rescues and
-requeueing were measured to lose and are gone: bench/RESULTS.md.)
+No policy lives here: numbers in, decisions out. (Gateway-side dispatch, preemption, rescues,
+requeueing and deadline priorities were measured to lose and are gone: bench/RESULTS.md.)
 """
 
 from __future__ import annotations
@@ -24,17 +22,13 @@ from voicegw.config import Config
 _REGISTRY: weakref.WeakKeyDictionary[Any, EngineScheduler] = weakref.WeakKeyDictionary()
 
 
-def engine_load(in_engine: int, max_num_seqs: int, first_waiting: int, priority_scheduling: bool) -> EngineLoad:
+def engine_load(in_engine: int, max_num_seqs: int) -> EngineLoad:
     """The load a new utterance's first segment meets. ``in_engine``: requests the engine holds
-    (running or queued); ``first_waiting``: of those, first segments with no audio yet. Under
-    ``priority`` a first segment overtakes queued continuing segments, so only queued first
-    segments are ahead of it; under FCFS every queued request is."""
+    (running or queued). The engine is FCFS: every queued request is ahead of it."""
     seqs = max(1, max_num_seqs)
     total = max(0, in_engine)
     running = min(total, seqs)
-    waiting = total - running
-    ahead = min(waiting, max(0, first_waiting)) if priority_scheduling else waiting
-    return EngineLoad(running=running, waiting_ahead=ahead, max_num_seqs=seqs)
+    return EngineLoad(running=running, waiting_ahead=total - running, max_num_seqs=seqs)
 
 
 class EngineScheduler:
@@ -42,12 +36,10 @@ class EngineScheduler:
         self.engine = engine
         self.max_num_seqs = max(1, config.engine.max_num_seqs)
         sc = config.scheduler
-        self.priority_scheduling = config.engine.scheduling_policy == "priority"
         self.admission: AdmissionController | None = (
             AdmissionController(sc, first_chunk_steps=config.engine.first_audio_steps, require_queue=True)
             if sc.admission else None
         )
-        self._first_waiting: set[str] = set()
         self.refused = 0
 
     @classmethod
@@ -71,7 +63,7 @@ class EngineScheduler:
         """None (admitted, no controller) or the controller's decision for a new utterance."""
         if self.admission is None:
             return None
-        load = engine_load(self._in_engine(), self.max_num_seqs, len(self._first_waiting), self.priority_scheduling)
+        load = engine_load(self._in_engine(), self.max_num_seqs)
         d = self.admission.decide(load)
         if not d.admit:
             self.refused += 1
@@ -88,17 +80,3 @@ class EngineScheduler:
     def observe_segment(self, steps: int) -> None:
         if self.admission is not None:
             self.admission.observe_segment_steps(steps)
-
-    # ---- the segments in the engine ---------------------------------------------------------
-
-    def submit(self, key: str, first: bool) -> None:
-        """The segment ``key`` goes to the engine now (``release`` when it is done with it)."""
-        if first:
-            self._first_waiting.add(key)
-
-    def first_output(self, key: str) -> None:
-        self._first_waiting.discard(key)
-
-    def release(self, key: str) -> None:
-        """The segment is done with the engine (finished, failed, cancelled)."""
-        self._first_waiting.discard(key)

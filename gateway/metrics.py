@@ -17,6 +17,7 @@ from gateway.session import SessionObserver, TtfaParts
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _TTFA_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+_LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 _PART_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -57,6 +58,10 @@ class GatewayMetrics:
             "Utterances refused by admission control (error engine_overloaded, with retry_after_ms)",
             registry=r,
         )
+        self.loop_lag = Histogram(
+            "voicegw_event_loop_lag_seconds", "How much later than asked the event loop ran a 20 ms "
+            "sleep (gateway.monitor)", buckets=_LAG_BUCKETS, registry=r,
+        )
         self.engine_running = Gauge(
             "voicegw_engine_running_requests", "Engine requests running (engine health)", registry=r
         )
@@ -91,5 +96,5 @@ class _Observer(SessionObserver):
     def utterance_finished(self, outcome: str) -> None:
         self.m.utterances.labels(outcome).inc()
 
-    def segment_submitted(self, priority: int) -> None:
+    def segment_submitted(self) -> None:
         self.m.segments.inc()

@@ -1,65 +1,27 @@
-"""The gateway's scheduling policy, the one place it is decided: segment -> engine priority, and
-admission.
+"""Admission: the gateway's one scheduling decision, whether a new utterance may start now.
 
-Pure policy: no asyncio, no sockets, no torch. The session says what it knows (first segment of
-an utterance or not, the audio its client has ahead, the time); the gateway's dispatch feeds the
-admission side numbers (engine load, step times) and acts on what it returns.
+Pure policy: no asyncio, no sockets, no torch. The gateway's dispatch (``gateway/dispatch.py``)
+feeds it numbers (engine load, step times, segment lengths) and acts on what it returns. The
+engine itself schedules first come, first served (vLLM's default ``fcfs``): the gateway sets no
+request priorities. (Deadline priorities, vLLM ``scheduling_policy="priority"``, were measured to
+lose to FCFS on an H200 and are gone: bench/RESULTS.md.)
 
-Why: FCFS engines make a new speaker wait behind streams that already have seconds of audio
-buffered at their client. What matters to a listener is the *playback deadline*: the moment
-their client runs out of audio. A stream with 3 s buffered can wait 2 s without a glitch; a
-new utterance with nothing buffered cannot wait at all. So:
-
-* ``SchedulingPolicy.segment_priority`` maps a segment to a vLLM request priority (lower runs
-  first, vLLM ``scheduling_policy="priority"``), earliest deadline first: priority = the moment the segment's audio is needed, in ``bucket_ms`` units since
-  the policy's epoch:
-
-  ==========================  ======================================================
-  segment                     deadline
-  ==========================  ======================================================
-  first of an utterance       ``now - first_lead_ms`` (default 0)
-  continuing                  ``now + client buffer - slack_ms`` (slack default
-                              ``urgent_buffer_ms``), clamped to [now, now + horizon]
-  ==========================  ======================================================
-
-  Deadlines do not drift (the client plays its buffer exactly as fast as the clock runs), so a
-  waiting request needs no re-evaluation.
-
-  The client buffer is estimated by ``client_buffered_ms`` from what the gateway sent, the
-  client's last ``playback`` report and the time since that report (the gateway's
-  ``FlowControl.ahead_ms`` is the same quantity).
-
-* What vLLM does with the priority (0.32, read from ``v1/core/sched/scheduler.py``): the
-  WAITING queue is a heap ordered by ``(priority, arrival_time)``; when KV blocks run out the
-  running request with the largest ``(priority, arrival_time)`` is preempted (recomputed
-  later). Running requests are stepped together; a priority does not change a running
-  request's step rate, and vLLM has no API to change the priority of a request already
-  submitted.
-
-* Admission (``AdmissionController``): before an utterance starts, estimate its
-  time-to-first-audio from the engine load (running / waiting counts, ``max_num_seqs``) and a
-  step-time model fed with observations (``StepTimeEstimator``). If it cannot start within
-  ``ttfa_target_ms``, refuse with error code ``engine_overloaded`` (``OVERLOADED_CODE``) and a
-  ``retry_after_ms`` hint. An idle engine always admits, and a refusal needs the estimate to
-  exceed both the target and ``idle_slack`` x the idle estimate (a slow machine that cannot
-  meet the target even idle degrades latency instead of refusing everyone). The gateway
-  (``gateway/dispatch.py``) uses ``require_queue``: it refuses only when no batch slot is free.
+* ``AdmissionController``: before an utterance starts, estimate its time-to-first-audio from the
+  engine load (running / waiting counts, ``max_num_seqs``; under FCFS every waiting request is
+  ahead of a new one) and a step-time model fed with observations (``StepTimeEstimator``). If it
+  cannot start within ``ttfa_target_ms``, refuse with error code ``engine_overloaded``
+  (``OVERLOADED_CODE``) and a ``retry_after_ms`` hint. An idle engine always admits, and a
+  refusal needs the estimate to exceed both the target and ``idle_slack`` x the idle estimate (a
+  slow machine that cannot meet the target even idle degrades latency instead of refusing
+  everyone). The gateway uses ``require_queue``: it refuses only when no batch slot is free.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeAlias
 
 from voicegw.config import SchedulerConfig
-
-#: ``(first_in_utterance, client_buffered_ms, now_s) -> priority`` (lower runs sooner, vLLM
-#: ``scheduling_policy="priority"``). ``client_buffered_ms``: the audio the client still has to
-#: play before this segment's audio (sent-not-played, held in the gateway, and the estimated
-#: rest of segments still generating); ``now_s``: the session's clock.
-PriorityFn: TypeAlias = Callable[[bool, float, float], int]
 
 #: Error code of an admission refusal: the gateway's ``error`` message ``code``
 #: (``gateway.protocol.ErrorCode.ENGINE_OVERLOADED``; a test keeps them equal).
@@ -67,118 +29,6 @@ OVERLOADED_CODE = "engine_overloaded"
 
 #: Real-time duration of one ChatTTS GPT step (512 samples at 24 kHz).
 REALTIME_STEP_MS = 512 / 24_000 * 1000.0
-
-
-def client_buffered_ms(
-    sent_samples: int,
-    played_samples: int,
-    sample_rate_hz: int,
-    ms_since_report: float = 0.0,
-    playing: bool = True,
-    unsent_samples: int = 0,
-) -> float:
-    """Audio ahead of the client's playhead, in ms, as far as the gateway can tell now.
-
-    ``sent_samples``: samples sent on the socket since the origin of ``played_samples`` (the
-    same counter origin, e.g. the session or the utterance). ``played_samples``: from the
-    client's last ``playback`` report. ``ms_since_report``: time since that report arrived;
-    while the client is ``playing`` it consumed that much more. ``unsent_samples``: audio
-    already synthesized but held by flow control; it is as good as buffered for the deadline.
-    """
-    if sample_rate_hz <= 0:
-        raise ValueError("sample_rate_hz must be > 0")
-    in_flight_ms = max(0, sent_samples - played_samples) * 1000.0 / sample_rate_hz
-    if playing:
-        in_flight_ms -= max(0.0, ms_since_report)
-    return max(0.0, in_flight_ms) + max(0, unsent_samples) * 1000.0 / sample_rate_hz
-
-
-class SchedulingPolicy:
-    """Maps segments to vLLM priorities from the client's playback deadline (earliest deadline
-    first).
-
-    A continuing segment's deadline is ``now + buffered_ms - slack_ms`` (when its client runs dry,
-    less ``slack_ms`` -- default ``urgent_buffer_ms`` -- for the time from getting a batch slot to
-    first audio), clamped to ``[now, now + priority_levels * bucket_ms]`` (streams buffered deeper
-    than the horizon are all "far"); a first segment's is ``now - first_lead_ms`` (default 0: as
-    urgent as a stream about to run dry, more urgent than any stream with audio in hand, and after
-    older requests already due). The priority is the deadline in ``bucket_ms`` units since
-    ``epoch_s``. Deadlines do not move as time passes (a client plays its buffer at the rate the
-    clock advances), so a request waiting in vLLM keeps the right place in the queue without any
-    re-evaluation, and vLLM's KV-pressure preemption picks the latest deadline.
-    ``first_lead_ms = priority_levels * bucket_ms`` is "first segment always first": measured on
-    CPU it starved playing streams (bench/RESULTS.md), so it is not the default.
-    """
-
-    def __init__(
-        self,
-        config: SchedulerConfig | None = None,
-        epoch_s: float = 0.0,
-        first_lead_ms: float = 0.0,
-        slack_ms: float | None = None,
-    ) -> None:
-        self.config = config or SchedulerConfig()
-        if self.config.priority_levels < 1:
-            raise ValueError("priority_levels must be >= 1")
-        if self.config.bucket_ms <= 0:
-            raise ValueError("bucket_ms must be > 0")
-        self.epoch_s = epoch_s
-        self.horizon_ms = self.config.priority_levels * self.config.bucket_ms
-        self.first_lead_ms = max(0.0, first_lead_ms)
-        self.slack_ms = self.config.urgent_buffer_ms if slack_ms is None else max(0.0, slack_ms)
-
-    def deadline_ms(self, segment_index: int, buffered_ms: float, now_s: float) -> float:
-        """When this segment's first audio is needed, ms since ``epoch_s``."""
-        now_ms = (now_s - self.epoch_s) * 1000.0
-        if segment_index <= 0:
-            return now_ms - self.first_lead_ms
-        return now_ms + min(max(0.0, buffered_ms - self.slack_ms), self.horizon_ms)
-
-    def segment_priority(self, segment_index: int, buffered_ms: float, now_s: float = 0.0) -> int:
-        """vLLM priority of a segment (lower runs first).
-
-        ``segment_index``: 0 for the first segment of an utterance. ``buffered_ms``: audio the
-        client has ahead of its playhead for this stream (``client_buffered_ms``). ``now_s``:
-        monotonic time.
-        """
-        return math.floor(self.deadline_ms(segment_index, buffered_ms, now_s) / self.config.bucket_ms)
-
-    def priority_fn(self) -> PriorityFn:
-        """This policy as the session's ``PriorityFn``."""
-
-        def fn(first_in_utterance: bool, client_buffered_ms: float, now_s: float) -> int:
-            return self.segment_priority(0 if first_in_utterance else 1, client_buffered_ms, now_s)
-
-        return fn
-
-
-def make_priority_fn(
-    config: SchedulerConfig | None = None,
-    first_lead_ms: float = 0.0,
-    slack_ms: float | None = None,
-) -> PriorityFn:
-    """The deadline policy as a ``PriorityFn``; its epoch is the first call's ``now_s`` (so
-    priorities stay small numbers). One function serves every session of a server: their
-    deadlines share the epoch."""
-    policy: SchedulingPolicy | None = None
-
-    def fn(first_in_utterance: bool, client_buffered_ms: float, now_s: float) -> int:
-        nonlocal policy
-        if policy is None:
-            policy = SchedulingPolicy(config, epoch_s=now_s, first_lead_ms=first_lead_ms, slack_ms=slack_ms)
-        return policy.segment_priority(0 if first_in_utterance else 1, client_buffered_ms, now_s)
-
-    return fn
-
-
-def fcfs_priority(first_in_utterance: bool, client_buffered_ms: float, now_s: float) -> int:
-    """Every segment alike: the engine's arrival order (vLLM ``scheduling_policy="fcfs"``)."""
-    return 0
-
-
-def priority_fn_for(config: SchedulerConfig, scheduling_policy: str) -> PriorityFn:
-    """What a server uses: the deadline policy when the engine schedules by priority, else FCFS."""
-    return make_priority_fn(config) if scheduling_policy == "priority" else fcfs_priority
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,8 +104,8 @@ class EngineLoad:
     running: int
     """Requests the engine is stepping."""
     waiting_ahead: int
-    """Requests waiting for the engine that a new utterance's first segment would not overtake
-    (other new utterances' first segments)."""
+    """Requests waiting for a batch slot ahead of a new utterance's first segment (under FCFS:
+    every waiting request)."""
     max_num_seqs: int
     """Engine batch limit (``EngineConfig.max_num_seqs``)."""
 

@@ -44,7 +44,7 @@ from gateway.dispatch import EngineScheduler
 from gateway.flow import WaterMarks
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
-from gateway.scheduling import AdmissionDecision, PriorityFn, priority_fn_for
+from gateway.scheduling import AdmissionDecision
 from gateway.session import (
     AbortStream,
     Action,
@@ -143,15 +143,12 @@ class GatewayServer:
         static_dir: Path | None = None,
         metrics: GatewayMetrics | None = None,
         settings: SessionSettings | None = None,
-        priority_fn: PriorityFn | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
         self.static_dir = (static_dir or default_static_dir()).resolve()
         self.metrics = metrics or GatewayMetrics()
         self.settings = settings or SessionSettings.from_config(config, engine_name=engine.name)
-        self.priority_fn: PriorityFn = priority_fn or priority_fn_for(config.scheduler, config.engine.scheduling_policy)
-        """Every session's segment priority (one function: deadlines share one epoch)."""
         self.connections: set[_Connection] = set()
         self.draining = False
         self._ws: Server | None = None
@@ -401,12 +398,10 @@ class _Connection:
         self.metrics = server.metrics
         self.loop = asyncio.get_running_loop()
         self.sched = EngineScheduler.for_server(server)
-        self._base_priority: PriorityFn = server.priority_fn
         self.session = Session(
             secrets.token_hex(6),
             server.settings,
             self.loop.time(),
-            priority_fn=self._base_priority,
             observer=server.metrics.observer(),
         )
         self.log = self.session.log
@@ -606,7 +601,7 @@ class _Connection:
                 refusal = decision
                 self.metrics.admission_refused.inc()
         gate = asyncio.Event()
-        task = asyncio.create_task(self._run_stream(request, gate, first, refusal),
+        task = asyncio.create_task(self._run_stream(request, gate, refusal),
                                    name=f"stream {rid}")
         self.runners[rid] = _Runner(task, gate)
 
@@ -625,7 +620,7 @@ class _Connection:
         except Exception:
             self.log.exception("engine abort of %s failed", request_id)
 
-    async def _run_stream(self, request: SpeechRequest, gate: asyncio.Event, first: bool = False,
+    async def _run_stream(self, request: SpeechRequest, gate: asyncio.Event,
                           refusal: AdmissionDecision | None = None) -> None:
         rid = request.request_id
         sched = self.sched
@@ -634,7 +629,6 @@ class _Connection:
         try:
             if refusal is not None:
                 raise EngineOverloaded(f"admission: {refusal.reason}", retry_after_ms=refusal.retry_after_ms)
-            sched.submit(rid, first)
             it = self.engine.synthesize(request)
             t_prev: float | None = None
             while True:
@@ -647,8 +641,6 @@ class _Connection:
                     self.dispatch(self.session.on_stream_end, rid)
                     return
                 now = self.loop.time()
-                if chunk.pcm:
-                    sched.first_output(rid)
                 sched.observe_chunk(chunk.steps, None if paused or t_prev is None else now - t_prev)
                 t_prev = now
                 steps += chunk.steps
@@ -670,7 +662,6 @@ class _Connection:
             self.log.exception("engine stream %s failed", rid)
             self.dispatch(self.session.on_engine_error, rid, EngineFailure.RECOVERABLE)
         finally:
-            sched.release(rid)
             cur = self.runners.get(rid)
             if cur is not None and cur.task is asyncio.current_task():
                 del self.runners[rid]

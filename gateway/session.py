@@ -30,9 +30,8 @@ from engine.api import AudioChunk, SamplingParams, SpeechRequest
 from gateway import protocol as P
 from gateway.audio import encode_samples
 from gateway.flow import FlowConfig, FlowControl
-from gateway.scheduling import PriorityFn, make_priority_fn
 from gateway.segmenter import Segmenter, is_cjk, is_speakable, text_units, word_timings
-from voicegw.config import Config, LimitsConfig, SchedulerConfig, SessionConfig
+from voicegw.config import Config, LimitsConfig, SessionConfig
 
 _log = logging.getLogger("voicegw.session")
 
@@ -49,18 +48,16 @@ def _voice_for_log(voice: str | int | None) -> str:
 @dataclass(frozen=True)
 class SessionSettings(SessionConfig):
     """Everything a session needs to know, read once from the Config: its ``[session]`` section
-    (``voicegw.config.SessionConfig``, the segmenter included) plus the limits, the scheduler
-    and the engine's name."""
+    (``voicegw.config.SessionConfig``, the segmenter included) plus the limits and the engine's
+    name."""
 
     limits: LimitsConfig = field(default_factory=LimitsConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     engine_name: str = "unknown"
 
     @classmethod
     def from_config(cls, config: Config, engine_name: str, **overrides: Any) -> SessionSettings:
         session = {f.name: getattr(config.session, f.name) for f in fields(SessionConfig)}
-        return cls(**{**session, **overrides}, limits=config.limits, scheduler=config.scheduler,
-                   engine_name=engine_name)
+        return cls(**{**session, **overrides}, limits=config.limits, engine_name=engine_name)
 
 
 # ---- actions ------------------------------------------------------------------------------
@@ -141,7 +138,7 @@ class SessionObserver:
     def utterance_finished(self, outcome: str) -> None:
         pass
 
-    def segment_submitted(self, priority: int) -> None:
+    def segment_submitted(self) -> None:
         pass
 
 
@@ -199,8 +196,6 @@ class _Stream:
     held: bytearray = field(default_factory=bytearray)
     held_samples: int = 0
     generating: bool = True
-    priority: int = 0
-    """Engine priority it was submitted (or last reprioritized) with."""
 
     @property
     def request_id(self) -> str:
@@ -236,12 +231,10 @@ class Session:
         settings: SessionSettings,
         now_s: float,
         *,
-        priority_fn: PriorityFn | None = None,
         observer: SessionObserver | None = None,
     ) -> None:
         self.id = session_id
         self.settings = settings
-        self._priority_fn = priority_fn or make_priority_fn(settings.scheduler)
         self._obs = observer or SessionObserver()
         self.started = False
         self.closed = False
@@ -760,39 +753,27 @@ class Session:
                 chars: tuple[int, int] = (0, 0)) -> None:
         index = len(utt.segments)
         first = index == 0
-        in_hand = self._flow.ahead(now_s) + sum(s.held_samples for s in self._streams)
-        runway = in_hand + sum(map(self._expected_rest, self._streams))
-        priority = int(self._priority_fn(first, runway * 1000.0 / self.rate_hz, now_s))
         request_id = f"{self.id}-{utt.id}-{index}"
         seg = _Segment(index=index, text=text, units=text_units(text), request_id=request_id,
                        start_char=chars[0], end_char=chars[1])
         utt.segments.append(seg)
-        stream = _Stream(utt=utt, seg=seg, priority=priority)
+        stream = _Stream(utt=utt, seg=seg)
         self._streams.append(stream)
         self._by_id[request_id] = stream
         if first:
             if utt.t_first_ready is None:
                 utt.t_first_ready = now_s
             utt.t_first_submit = now_s
-        self._obs.segment_submitted(priority)
-        self.log.debug("segment %s submitted (priority %d, %d chars)", request_id, priority, len(text),
+        self._obs.segment_submitted()
+        self.log.debug("segment %s submitted (%d chars)", request_id, len(text),
                        extra={"utterance": utt.id, "request_id": request_id})
         out.append(StartStream(SpeechRequest(
             request_id=request_id,
             text=text,
             speaker=self._voice,
             params=self._params,
-            priority=priority,
             sample_rate_hz=self.rate_hz,
         ), first=first))
-
-    def _expected_rest(self, s: _Stream) -> int:
-        """Audio still expected from ``s`` if it is generating (its text's estimated duration less
-        what it produced; 0 once it stopped): with the audio in hand, it plays before any later
-        segment of the session."""
-        if not s.generating:
-            return 0
-        return max(0, int(s.seg.units * self.settings.est_ms_per_unit * self.rate_hz / 1000.0) - s.seg.generated)
 
     def _mark_ready(self, now_s: float) -> None:
         """Note when an utterance's first segment could go out but waits for the pipeline."""

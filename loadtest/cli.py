@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.plan import MAX_DURATION_S, MAX_SESSIONS, SCENARIOS, ScenarioParams
-from loadtest.serve import ENGINES, POLICIES
+from loadtest.serve import ENGINES
 
 
 def _scenario_flags(p: argparse.ArgumentParser) -> None:
@@ -58,9 +58,6 @@ def _server_flags(p: argparse.ArgumentParser, default_engine: str | None) -> Non
     g.add_argument("--serve", choices=ENGINES, default=default_engine,
                    help="start a gateway subprocess with this engine for the run")
     g.add_argument("--model-dir", default="", help="ChatTTS checkpoint (vllm/native); empty: a tiny random one")
-    g.add_argument("--policy", choices=POLICIES, default="priority",
-                   help="served gateway's scheduling: priority (deadline), fcfs")
-    g.add_argument("--first-lead-ms", type=float, default=None, help="served gateway: scheduler first_lead_ms")
     g.add_argument("--server-arg", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="extra gateway setting for the served gateway (repeatable)")
     g.add_argument("--workers", type=int, default=None, help="client worker processes [auto]")
@@ -117,8 +114,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     stem = args.name or params.scenario
     server_info: dict[str, Any] = {}
     if args.serve:
-        with ServerProcess(args.serve, model_dir=args.model_dir, policy=args.policy,
-                           overrides=_overrides(args), first_lead_ms=args.first_lead_ms) as srv:
+        with ServerProcess(args.serve, model_dir=args.model_dir, overrides=_overrides(args)) as srv:
             result = run_scenario(params, srv.url, args.workers)
             server_info = srv.info()
     else:
@@ -127,8 +123,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     path = report.write_json(result, out / f"{stem}.json")
     print(report.summary_table(result))
     if server_info:
-        print(f"server: {server_info.get('engine')} policy={server_info.get('policy')} "
-              f"peak RSS {server_info.get('rss_peak_mib')} MiB")
+        print(f"server: {server_info.get('engine')} peak RSS {server_info.get('rss_peak_mib')} MiB")
     print(f"wrote {path}")
     if not args.no_plot:
         marker = params.burst_at_s if params.scenario == "burst" else None

@@ -79,7 +79,7 @@ def run_compare(args: argparse.Namespace, levels: list[int],
                 servers[engine] = result["server"]
             print(f"{engine}: reused {', '.join(map(str, saved))}", flush=True)
             continue
-        with ServerProcess(engine, model_dir=args.model_dir, policy=args.policy, overrides=overrides) as srv:
+        with ServerProcess(engine, model_dir=args.model_dir, overrides=overrides) as srv:
             servers[engine] = srv.info()
             for c in levels:
                 assert srv.sampler is not None

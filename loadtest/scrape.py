@@ -113,4 +113,5 @@ def server_breakdown(before: Samples | None, after: Samples | None) -> dict[str,
         "ttfa": histogram_delta(before, after, "voicegw_ttfa_seconds").get(""),
         "ttfa_parts": histogram_delta(before, after, "voicegw_ttfa_part_seconds", "part"),
         "admission_refused": counter_delta(before, after, "voicegw_admission_refused_total"),
+        "loop_lag": histogram_delta(before, after, "voicegw_event_loop_lag_seconds").get(""),
     }

@@ -1,7 +1,7 @@
-"""The gateway in a subprocess, with the engine and policy asked for: the one launcher of the
-load test, the benchmarks and the tests that need a gateway process of its own.
+"""The gateway in a subprocess, with the engine asked for: the one launcher of the load test,
+the benchmarks and the tests that need a gateway process of its own.
 
-``ServerProcess(engine, policy=...)`` starts ``python -m loadtest.serve ...`` (127.0.0.1, a
+``ServerProcess(engine, ...)`` starts ``python -m loadtest.serve ...`` (127.0.0.1, a
 free port), waits for its ``READY <ws-url>`` line, samples the RSS of its process tree (the
 vLLM engine core is a child process) and stops it on exit (SIGTERM to its process group, then
 SIGKILL). ``start``/``stop`` outside ``with``; ``kill`` is a crash from outside (SIGKILL to the
@@ -10,8 +10,6 @@ group); ``healthz``, ``alive``, ``port`` and ``pid`` for tests.
 Engines: ``fake`` (``loadtest.simengine.FakeSpeechEngine``, a sine tone), ``sim`` (``loadtest.simengine``: vLLM-like batch scheduling without a model), ``vllm`` (``engine.factory`` code engine + ``engine.speech.ChatTTSSpeech``, as ``voicegw
 serve`` builds it) and ``espeak`` (``voicegw.runtime.build_speech_engine``), ``native``
 (``loadtest.baseline.NativePipelineSpeech``: upstream ChatTTS streaming, one at a time).
-Policies: ``priority`` (``gateway.scheduling`` deadline priorities, vLLM ``scheduling_policy``
-"priority") or ``fcfs`` (every segment priority 0, vLLM "fcfs").
 """
 
 from __future__ import annotations
@@ -35,22 +33,16 @@ from loadtest.procmem import RssSampler
 
 READY_PREFIX = "READY "
 ENGINES = ("fake", "sim", "vllm", "native", "espeak")
-#: ``priority`` = gateway.scheduling deadline priorities; ``fcfs`` = vLLM's arrival order.
-POLICIES = ("priority", "fcfs")
 #: Longest wait for a server to come up (a vLLM engine start on CPU takes 15-75 s).
 START_TIMEOUT_S = 240.0
 
 
 class ServerProcess:
-    def __init__(self, engine: str, *, model_dir: str = "", policy: str = "priority",
+    def __init__(self, engine: str, *, model_dir: str = "",
                  overrides: dict[str, str] | None = None, start_timeout_s: float = START_TIMEOUT_S,
-                 first_lead_ms: float | None = None, slack_ms: float | None = None,
                  log_path: str | Path | None = None) -> None:
         self.engine = engine
         self.model_dir = model_dir
-        self.policy = policy
-        self.first_lead_ms = first_lead_ms
-        self.slack_ms = slack_ms
         self.overrides = dict(overrides or {})
         self.start_timeout_s = start_timeout_s
         self.url = ""
@@ -65,13 +57,9 @@ class ServerProcess:
         return self
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "loadtest.serve", "--engine", self.engine, "--policy", self.policy]
+        cmd = [sys.executable, "-m", "loadtest.serve", "--engine", self.engine]
         if self.model_dir:
             cmd += ["--model-dir", self.model_dir]
-        if self.first_lead_ms is not None:
-            cmd += ["--first-lead-ms", str(self.first_lead_ms)]
-        if self.slack_ms is not None:
-            cmd += ["--slack-ms", str(self.slack_ms)]
         for k, v in self.overrides.items():
             cmd += ["--set", f"{k}={v}"]
         self._log_file = open(self.log_path, "a")  # noqa: SIM115 - closed in stop()
@@ -155,7 +143,6 @@ class ServerProcess:
         s = self.sampler
         return {
             "engine": self.engine,
-            "policy": self.policy,
             "url": self.url,
             "pid": self.proc.pid if self.proc else None,
             "start_s": round(self.start_s, 2),
@@ -213,8 +200,7 @@ def _tail(path: Path, n: int = 30) -> str:
 def _build_config(args: argparse.Namespace) -> Any:
     from voicegw.config import load_config
 
-    overrides: dict[str, Any] = {"gateway.host": "127.0.0.1", "gateway.port": 0, "gateway.shutdown_grace_s": 1.0,
-                                 "engine.scheduling_policy": "fcfs" if args.policy == "fcfs" else "priority"}
+    overrides: dict[str, Any] = {"gateway.host": "127.0.0.1", "gateway.port": 0, "gateway.shutdown_grace_s": 1.0}
     if args.engine in ("vllm", "espeak"):
         overrides["engine.backend"] = args.engine
     if args.engine == "vllm":
@@ -236,7 +222,7 @@ def _make_engine(kind: str, cfg: Any) -> Any:
     if kind == "sim":
         from loadtest.simengine import SimBatchEngine
 
-        return SimBatchEngine(policy=cfg.engine.scheduling_policy, max_num_seqs=cfg.engine.max_num_seqs)
+        return SimBatchEngine(max_num_seqs=cfg.engine.max_num_seqs)
     if kind == "native":
         from loadtest.baseline import NativePipelineSpeech
 
@@ -274,16 +260,6 @@ async def _child(args: argparse.Namespace) -> None:
         args.model_dir = generated_model_dir()
     cfg = _build_config(args)
     eng = _make_engine(args.engine, cfg)
-    priority_fn: Any
-    if args.policy != "fcfs":
-        from gateway.scheduling import make_priority_fn
-
-        lead = float(args.first_lead_ms) if args.first_lead_ms is not None else 0.0
-        slack = float(args.slack_ms) if args.slack_ms is not None else None
-        priority_fn = make_priority_fn(cfg.scheduler, first_lead_ms=lead, slack_ms=slack)
-    else:
-        def priority_fn(first_in_utterance: bool, client_buffered_ms: float, now_s: float) -> int:
-            return 0
     await eng.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -294,7 +270,7 @@ async def _child(args: argparse.Namespace) -> None:
         print(READY_PREFIX + server.ws_url, flush=True)
 
     try:
-        await serve(cfg, eng, stop=stop, priority_fn=priority_fn, on_ready=ready)
+        await serve(cfg, eng, stop=stop, on_ready=ready)
     finally:
         await eng.close()
 
@@ -302,9 +278,6 @@ async def _child(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.serve")
     p.add_argument("--engine", choices=ENGINES, required=True)
-    p.add_argument("--policy", choices=POLICIES, default="priority")
-    p.add_argument("--first-lead-ms", default=None)
-    p.add_argument("--slack-ms", default=None)
     p.add_argument("--model-dir", default="")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     args = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Simulated speech engines: no model, for tests, the load test and policy experiments.
+"""Simulated speech engines: no model, for tests and the load test.
 
 ``FakeSpeechEngine``: a sine tone paced like a real engine, lazily generated (the tests' engine
 double, and ``loadtest.serve --engine fake``).
@@ -15,15 +15,14 @@ double, and ``loadtest.serve --engine fake``).
 
 ``SimBatchEngine``: a batch engine with vLLM's scheduling semantics (``--engine sim``).
 
-Not a benchmark of anything real: it lets the load test show what a scheduling policy does in
-seconds, without a model. It mimics the parts of vLLM v1 (0.32) that decide time to first
+Not a benchmark of anything real: it lets the load test show what batching and admission do
+in seconds, without a model. It mimics the parts of vLLM v1 (0.32) that decide time to first
 audio:
 
 * every ``step`` all RUNNING requests advance one GPT step together; a step takes
   ``step_ms_base + step_ms_per_seq * batch`` (+ ``prefill_ms`` when a request joins);
-* at most ``max_num_seqs`` run; the others WAIT in a queue ordered by ``(priority, arrival)``
-  (policy ``priority``) or by arrival (``fcfs``); running requests are never preempted
-  (no KV pressure modelled);
+* at most ``max_num_seqs`` run; the others WAIT in arrival order (vLLM's ``fcfs``); running
+  requests are never preempted (no KV pressure modelled);
 * a request makes ``ms_per_char * len(text)`` of audio, ``SAMPLES_PER_STEP`` per step; audio
   is handed out by the streaming decoder's own rule (``engine.decoder.window.ChunkPolicy`` fed
   with the stream's ``StreamLead``, no lookahead): ``first_chunk_steps``, then chunks that
@@ -33,7 +32,6 @@ audio:
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -56,7 +54,6 @@ from engine.decoder.window import ChunkPolicy, StreamLead
 @dataclass
 class _Req:
     request: SpeechRequest
-    arrival: int
     total_steps: int
     queue: asyncio.Queue[AudioChunk | None]
     lead: StreamLead
@@ -68,7 +65,6 @@ class _Req:
 class SimBatchEngine:
     name: str = "sim-batch"
     native_sample_rate_hz: int = NATIVE_SAMPLE_RATE_HZ
-    policy: str = "priority"
     max_num_seqs: int = 8
     step_ms_base: float = 8.0
     step_ms_per_seq: float = 0.5
@@ -79,7 +75,6 @@ class SimBatchEngine:
     running: list[_Req] = field(default_factory=list)
     waiting: list[_Req] = field(default_factory=list)
     steps_run: int = 0
-    _counter: itertools.count[int] = field(default_factory=itertools.count)
     _wake: asyncio.Event | None = None
     _task: asyncio.Task[None] | None = None
 
@@ -113,7 +108,7 @@ class SimBatchEngine:
         if self._task is None or self._wake is None:
             raise EngineError("sim engine not started")
         total = max(1, round(len(request.text) * self.ms_per_char / (SAMPLES_PER_STEP / 24.0)))
-        req = _Req(request, next(self._counter), total, asyncio.Queue(), StreamLead(SAMPLES_PER_STEP / NATIVE_SAMPLE_RATE_HZ))
+        req = _Req(request, total, asyncio.Queue(), StreamLead(SAMPLES_PER_STEP / NATIVE_SAMPLE_RATE_HZ))
         self.waiting.append(req)
         self._wake.set()
         try:
@@ -129,8 +124,6 @@ class SimBatchEngine:
 
     def _admit(self) -> int:
         admitted = 0
-        key = (lambda r: (r.request.priority, r.arrival)) if self.policy == "priority" else (lambda r: r.arrival)
-        self.waiting.sort(key=key)
         while self.waiting and len(self.running) < self.max_num_seqs:
             self.running.append(self.waiting.pop(0))
             admitted += 1

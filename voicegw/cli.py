@@ -102,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("loadtest", help="WebSocket load generator (see `voicegw loadtest --help`)", add_help=False)
     s.add_argument("args", nargs=argparse.REMAINDER)
 
-    s = sub.add_parser("bench", help="benchmarks: engine | decoder | scheduling (see bench/)", add_help=False)
-    s.add_argument("which", nargs="?", choices=["engine", "decoder", "scheduling"], help="which benchmark")
+    s = sub.add_parser("bench", help="benchmarks: engine | decoder (see bench/)", add_help=False)
+    s.add_argument("which", nargs="?", choices=["engine", "decoder"], help="which benchmark")
     s.add_argument("args", nargs=argparse.REMAINDER)
 
     sub.add_parser("config-doc", help="print the configuration reference (Markdown)")
@@ -162,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(loadtest_main(args.args) or 0)
     if args.command == "bench":
         if args.which is None:
-            print("usage: voicegw bench {engine,decoder,scheduling} [options]  (each has --help)")
+            print("usage: voicegw bench {engine,decoder} [options]  (each has --help)")
             return 2
         import importlib
         from pathlib import Path

@@ -81,6 +81,11 @@ class GatewayConfig(_Checked):
     """Python logging level."""
     log_json: bool = False
     """Structured JSON logs (one object per line) instead of text."""
+    load_log_interval_s: float = 10.0
+    """Every this many seconds one INFO line ``load``: open sessions, engine requests, the event
+    loop's lag (max and mean of 20 ms probes) and the engine's rates (requests, first outputs and
+    their mean time, GPT steps, decoder jobs and their mean time) over the interval
+    (``gateway.monitor``). 0: off (the lag histogram of ``/metrics`` stays)."""
 
 
 CHATTTS_EXACT_LOOKAHEAD_STEPS = 52
@@ -117,11 +122,6 @@ class EngineConfig(_Checked):
     """vLLM: split long prefills across steps so running streams keep stepping."""
     enable_prefix_caching: bool = True
     """vLLM: reuse KV of shared prompt prefixes (salted per speaker)."""
-    scheduling_policy: str = "fcfs"
-    """vLLM: ``fcfs`` or ``priority`` (the gateway's deadline priorities, see scheduler). fcfs is
-    the default: on an H200 the deadline priorities lost to fcfs in both burst runs (2026-12-01:
-    newcomers' TTFA p99 4,669 vs 4,062 ms, playing streams' underruns 498 vs 484; 2026-12-02:
-    newcomers 3,535 vs 4,602 ms but playing streams' underruns 366 vs 187; bench/RESULTS.md)."""
     kv_cache_gib: float = 2.0
     """vLLM KV cache size on CPU, GiB (passed as ``kv_cache_memory_bytes``; a
     ``VLLM_CPU_KVCACHE_SPACE`` in the environment is removed while vLLM starts, so this wins)."""
@@ -193,20 +193,12 @@ class EngineConfig(_Checked):
 
 @dataclass(frozen=True)
 class SchedulerConfig(_Checked):
-    """Deadline-aware scheduling and admission."""
+    """Admission control (the engine schedules first come, first served: vLLM's default)."""
 
     _section: typing.ClassVar[str] = "scheduler"
 
     ttfa_target_ms: float = 500.0
     """Admission: refuse a new utterance early when it cannot start within this time."""
-    urgent_buffer_ms: float = 300.0
-    """A stream with less audio buffered at the client than this is urgent."""
-    priority_levels: int = 8
-    """Deadline horizon in buckets: a continuing segment's priority is its playback deadline in
-    ``bucket_ms`` units, looking at most ``priority_levels x bucket_ms`` ahead (later deadlines
-    share the last level)."""
-    bucket_ms: float = 500.0
-    """Width of one priority bucket in ms of client-buffered audio."""
     admission: bool = True
     """Admission control for the first segment of an utterance: when the engine has no free batch
     slot (``engine.max_num_seqs``) and the estimated time to first audio (queue length, learned
@@ -332,7 +324,6 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("engine", "backend"): ("auto", "vllm", "reference", "espeak", "synthetic"),
     ("engine", "device"): ("auto", "cpu", "cuda"),
     ("engine", "dtype"): ("auto", "float32", "bfloat16", "float16"),
-    ("engine", "scheduling_policy"): ("priority", "fcfs"),
     ("gateway", "log_level"): ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
 
@@ -350,8 +341,6 @@ _POSITIVE: set[tuple[str, str]] = {
     ("engine", "synthetic_steps_per_s"),
     ("engine", "synthetic_ms_per_char"),
     ("scheduler", "ttfa_target_ms"),
-    ("scheduler", "priority_levels"),
-    ("scheduler", "bucket_ms"),
     ("limits", "max_sessions"),
     ("limits", "max_message_bytes"),
     ("limits", "max_utterance_chars"),
@@ -460,6 +449,8 @@ def _validate(section: str, name: str, value: Any) -> None:
         raise ConfigError(f"engine.decoder_torch_threads: must be >= 0, got {value!r}")
     if key == ("engine", "decoder_device") and not re.fullmatch(r"|cpu|cuda(:\d+)?", value):
         raise ConfigError(f"engine.decoder_device: expected '', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+    if key == ("gateway", "load_log_interval_s") and value < 0:
+        raise ConfigError(f"gateway.load_log_interval_s: must be >= 0 (0 = off), got {value!r}")
     if key == ("engine", "data_parallel_size") and value < 1:
         raise ConfigError(f"engine.data_parallel_size: must be >= 1, got {value!r}")
 

@@ -10,6 +10,9 @@ Phases (``--phases``, in this order):
   in real time; text streamed like an LLM) for each of ``--sessions``; then the ``closed-loop``
   scenario at ``--compare-concurrency`` (the side-by-side with the native pipeline) and at
   ``--throughput-sessions`` (aggregate audio per wall second).
+* ``burst``: the same gateway; ``--burst-background`` sessions play long answers and
+  ``--burst-sessions`` newcomers arrive at once ``--burst-at`` s later: the newcomers' TTFA and
+  underruns, and the playing streams' underruns from the burst on.
 * ``native``: upstream ChatTTS ``Chat.infer(stream=True)`` one request at a time behind the same
   gateway (``loadtest.baseline.NativePipelineSpeech`` on ``--device``), closed loop at
   ``--native-concurrency``.

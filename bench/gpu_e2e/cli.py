@@ -73,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--floor-max-seconds", type=float, default=60.0, help="cap per burst")
     g.add_argument("--floor-reference", default="", help="also the upstream reference backend at these concurrencies")
     g = ap.add_argument_group("load (e2e and dp)")
-    g.add_argument("--sessions", default=None, help="steady levels [GPU 1,10,20,64,128,256,512; CPU 1,4]")
+    g.add_argument("--sessions", default=None,
+                   help="steady levels [GPU 1,10,20,64,128,256,512; CPU 1,4]; N/R: also N sessions connecting "
+                        "over R s instead of --ramp (after the others; not counted in the largest real-time level)")
     g.add_argument("--duration", type=float, default=None, help="seconds of load per level [GPU 15, CPU 8]")
     g.add_argument("--settle", type=float, default=None, help="seconds to finish after it [GPU 6, CPU 4]")
     g.add_argument("--ramp", type=float, default=2.0, help="steady: seconds over which sessions connect")
@@ -135,7 +137,9 @@ def apply_defaults(args: argparse.Namespace) -> None:
         args.model_dir = "/tmp/ckfull" if args.size == "full" else str(Path(tempfile.gettempdir()) / "voicegw-ck-tiny")
     args.model_dir = Path(args.model_dir).expanduser().resolve()
     args.async_scheduling = args.async_scheduling == "true"
-    args.sessions_list = _ints(args.sessions)
+    items = [x.strip() for x in str(args.sessions).split(",") if x.strip()]
+    args.sessions_list = [int(x) for x in items if "/" not in x]
+    args.ramp_levels = [(int(n), float(r)) for n, _, r in (x.partition("/") for x in items if "/" in x)]
     args.compare_list = _ints(args.compare_concurrency)
     args.native_concurrency = _ints(args.native_concurrency)
     args.warmup_sessions = min(args.warmup_sessions, max(args.sessions_list, default=1))
@@ -212,11 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     phase_gateway(args, res, budget, state_dir, gpu, "e2e", 1, args.sessions_list,
                                   args.compare_list, args.throughput_sessions or None)
                 elif phase == "burst":
-                    base_args = list(args.gateway_arg)
-                    for policy in ("priority", "fcfs"):  # the same burst under both engine policies
-                        args.gateway_arg = [*base_args, f"engine.scheduling_policy={policy}"]
-                        phase_gateway(args, res, budget, state_dir, gpu, f"burst-{policy}", 1, [], [], None)
-                    args.gateway_arg = base_args
+                    phase_gateway(args, res, budget, state_dir, gpu, "burst", 1, [], [], None)
                 elif phase == "native":
                     phase_native(args, res, budget, state_dir, gpu)
                 elif phase == "dp":

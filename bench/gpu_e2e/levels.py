@@ -101,6 +101,7 @@ def gateway_cmd(args: argparse.Namespace, port: int, dp: int, async_sched: bool,
         "gateway.host": "127.0.0.1",
         "gateway.port": port,
         "gateway.log_level": "INFO",
+        "gateway.load_log_interval_s": 1.0,
         "engine.backend": "vllm",
         "engine.model_dir": str(args.model_dir),
         "engine.device": args.device,
@@ -192,14 +193,14 @@ def stream_stats(sessions: list[dict[str, Any]], sample_rate_hz: int, min_audio_
 
 def run_level(url: str, scenario: str, sessions: int, args: argparse.Namespace, *, duration_s: float,
               settle_s: float, gw: Gateway | None, gpu: GpuSampler, raw_dir: Path | None,
-              name: str) -> dict[str, Any]:
+              name: str, ramp_s: float | None = None) -> dict[str, Any]:
     from loadtest.plan import MAX_SESSIONS, ScenarioParams
     from loadtest.runner import run_scenario
 
     sessions = min(sessions, MAX_SESSIONS)
     params = ScenarioParams(
         scenario=scenario, sessions=sessions, duration_s=duration_s, settle_s=settle_s,
-        ramp_s=args.ramp if scenario != "closed-loop" else min(args.ramp, 1.0),
+        ramp_s=ramp_s if ramp_s is not None else args.ramp if scenario != "closed-loop" else min(args.ramp, 1.0),
         think_s=args.think, tokens_per_s=args.tokens_per_s, utterance_chars=args.utterance_chars,
         seed=args.seed, instant_playback=True,
         **({"background": args.burst_background, "burst_at_s": args.burst_at,
@@ -222,6 +223,7 @@ def run_level(url: str, scenario: str, sessions: int, args: argparse.Namespace, 
         "name": name,
         "scenario": scenario,
         "sessions": sessions,
+        "ramp_s": params.ramp_s,
         "duration_s": duration_s,
         "wall_s": round(wall, 1),
         "utterances": g["utterances"],
@@ -236,6 +238,7 @@ def run_level(url: str, scenario: str, sessions: int, args: argparse.Namespace, 
         "ttfa_segment_ms": g["ttfa_segment_ms"],
         "total_ms": g["total_ms"],
         "underruns": g["underruns"],
+        "underruns_text_starved": g.get("underruns_text_starved"),
         "underrun_ms": g["underrun_ms"],
         "sessions_with_underruns": g["sessions_with_underruns"],
         "segment_gaps_heard": g["segment_gaps_heard"],
@@ -269,7 +272,8 @@ def run_level(url: str, scenario: str, sessions: int, args: argparse.Namespace, 
 
 
 def max_realtime(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    steady = sorted((r for r in rows if r["scenario"] == "steady"), key=lambda r: r["sessions"])
+    steady = sorted((r for r in rows if r["scenario"] == "steady" and not r.get("ramp_level")),
+                    key=lambda r: r["sessions"])
     ok = [r["sessions"] for r in steady if r["realtime"]]
     first_fail = next((r["sessions"] for r in steady if not r["realtime"]), None)
     return {

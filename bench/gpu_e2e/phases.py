@@ -218,6 +218,11 @@ def _gateway_log_facts(log: Path, info: dict[str, Any]) -> None:
     tail = args_out_tail(log)
     if tail is not None:
         info["log_tail_file"] = str(tail)
+    with contextlib.suppress(OSError):  # the once-a-second ``load`` lines (gateway.monitor)
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if " load sessions=" in ln]
+        if lines:
+            log.with_suffix(".load.txt").write_text("\n".join(lines) + "\n")
+            info["load_lines_file"] = str(log.with_suffix(".load.txt"))
 
 
 def args_out_tail(log: Path, lines: int = 150) -> Path | None:
@@ -235,21 +240,26 @@ def _drive_gateway(args: argparse.Namespace, res: Results, budget: Budget, gw: G
     rows: list[dict[str, Any]] = info.setdefault("levels", [])
     raw_dir = args.out / "raw" if args.keep_raw else None
     skipped: list[str] = info.setdefault("skipped", [])
-    plan: list[tuple[str, int, float, float]] = [("steady", n, args.duration, args.settle) for n in steady_levels]
-    plan += [("closed-loop", n, args.compare_duration, args.settle) for n in compare]
-    if key.startswith("burst"):
-        plan = [("burst", args.burst_sessions, args.duration, args.settle)]
+    plan: list[tuple[str, int, float, float, float | None]] = [
+        ("steady", n, args.duration, args.settle, None) for n in steady_levels]
+    if key == "e2e":
+        plan += [("steady", n, args.duration, args.settle, r) for n, r in getattr(args, "ramp_levels", [])]
+    plan += [("closed-loop", n, args.compare_duration, args.settle, None) for n in compare]
+    if key == "burst":
+        plan = [("burst", args.burst_sessions, args.duration, args.settle, None)]
     if throughput:
         # dp phase: the aggregate-throughput run first (the capacity ratio needs it most)
-        t_level = ("closed-loop", throughput, args.duration, args.settle)
+        t_level = ("closed-loop", throughput, args.duration, args.settle, None)
         plan = [t_level, *plan] if key == "dp" else [*plan, t_level]
     seen_fail = 0
-    for scenario, n, dur, settle in plan:
+    for scenario, n, dur, settle, ramp in plan:
         name = f"{key}-{ {'steady': 'steady', 'burst': 'burst'}.get(scenario, 'closed')}-{n}"
+        if ramp is not None:
+            name += f"-ramp{ramp:g}"
         if not gw.alive():
             skipped.append(f"{name} (gateway died)")
             continue
-        if scenario == "steady" and args.stop_after_failures and seen_fail >= args.stop_after_failures:
+        if scenario == "steady" and ramp is None and args.stop_after_failures and seen_fail >= args.stop_after_failures:
             skipped.append(f"{name} (already {seen_fail} non-real-time levels below)")
             continue
         est = level_estimate_s(dur, settle, n)
@@ -260,12 +270,14 @@ def _drive_gateway(args: argparse.Namespace, res: Results, budget: Budget, gw: G
         print(f"{key}: {scenario} {n} sessions, {dur:.0f} s", flush=True)
         try:
             row = run_level(gw.url, scenario, n, args, duration_s=dur, settle_s=settle, gw=gw, gpu=gpu,
-                            raw_dir=raw_dir, name=name)
+                            raw_dir=raw_dir, name=name, ramp_s=ramp)
         except Exception as exc:  # noqa: BLE001 - one broken level must not lose the others
             row = {"name": name, "scenario": scenario, "sessions": n, "failed": repr(exc)[:500], "realtime": False}
             print(f"  {name} failed: {exc!r}", flush=True)
+        if ramp is not None:
+            row["ramp_level"] = True
         rows.append(row)
-        if scenario == "steady" and not row.get("realtime"):
+        if scenario == "steady" and ramp is None and not row.get("realtime"):
             seen_fail += 1
         info["summary"] = max_realtime([r for r in rows if "failed" not in r])
         res.save()
@@ -428,7 +440,7 @@ def serve_native_main(argv: Sequence[str]) -> int:
         from voicegw.config import load_config
 
         cfg = load_config(env={}, overrides={"gateway.host": "127.0.0.1", "gateway.port": a.port,
-                                             "engine.model_dir": a.model_dir, "engine.scheduling_policy": "fcfs",
+                                             "engine.model_dir": a.model_dir,
                                              "limits.max_sessions": a.max_sessions,
                                              "gateway.shutdown_grace_s": 1.0})
         eng = NativePipelineSpeech(a.model_dir, default_speaker=cfg.engine.default_speaker, device=a.device)
@@ -444,10 +456,8 @@ def serve_native_main(argv: Sequence[str]) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
 
-        from gateway.scheduling import fcfs_priority
-
         try:
-            await serve(cfg, eng, stop=stop, priority_fn=fcfs_priority)
+            await serve(cfg, eng, stop=stop)
         finally:
             await eng.close()
 

@@ -36,19 +36,24 @@ def _split(row: dict[str, Any]) -> str:
 
 def _steady_table(rows: list[dict[str, Any]]) -> list[str]:
     head = ["sessions", "TTFA p50 ms", "TTFA p99 ms", "seg-TTFA p50 ms", "seg-TTFA p99 ms", "RTF/stream p50",
-            "RTF p5", "underruns", "sessions w/ underrun", "underrun ms", "answers done/started", "errors",
-            "server split ms: text wait/queue/engine/send (mean)", "GPU mem peak GiB", "server RSS MiB",
-            "real time"]
+            "RTF p5", "underruns", "text-starved", "sessions w/ underrun", "underrun ms", "answers done/started", "errors",
+            "server split ms: text wait/queue/engine/send (mean)", "event-loop lag ms p50/p95", "GPU mem peak GiB",
+            "server RSS MiB", "real time"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in sorted((r for r in rows if r.get("scenario") == "steady"), key=lambda r: r["sessions"]):
+    for r in sorted((r for r in rows if r.get("scenario") == "steady"),
+                    key=lambda r: (r["sessions"], bool(r.get("ramp_level")))):
         if "failed" in r:
             out.append(f"| {r['sessions']} | failed: {r['failed'][:80]} |" + " |" * (len(head) - 2))
             continue
         t, s = r["ttfa_ms"], r["ttfa_segment_ms"]
+        lag = (r.get("server_breakdown") or {}).get("loop_lag") or {}
+        label = f"{r['sessions']} (ramp {r['ramp_s']:g} s)" if r.get("ramp_level") else str(r["sessions"])
         out.append("| " + " | ".join([
-            str(r["sessions"]), _f(t.get("p50")), _f(t.get("p99")), _f(s.get("p50")), _f(s.get("p99")),
-            _f(r["rtf_p50"], 2), _f(r["rtf_p5"], 2), _f(r["underruns"]), _f(r["sessions_with_underruns"]),
-            _f(r["underrun_ms"]), f"{r['completed']}/{r['utterances']}", _f(r["n_errors"]), _split(r), _gpu_mem(r),
+            label, _f(t.get("p50")), _f(t.get("p99")), _f(s.get("p50")), _f(s.get("p99")),
+            _f(r["rtf_p50"], 2), _f(r["rtf_p5"], 2), _f(r["underruns"]), _f(r.get("underruns_text_starved")),
+            _f(r["sessions_with_underruns"]),
+            _f(r["underrun_ms"]), f"{r['completed']}/{r['utterances']}", _f(r["n_errors"]), _split(r),
+            f"{_f(lag.get('p50_ms'), 1)}/{_f(lag.get('p95_ms'), 1)}" if lag else "-", _gpu_mem(r),
             _f(r["server_rss_peak_mib"]), _f(r["realtime"]),
         ]) + " |")
     return out
@@ -162,6 +167,7 @@ def render_markdown(d: dict[str, Any]) -> str:
             lines.append("")
         if e.get("skipped"):
             lines += ["Skipped: " + "; ".join(e["skipped"]), ""]
+    lines += _burst_lines(d.get("burst"))
     nat = d.get("native")
     if nat:
         lines += ["### Native pipeline baseline (same gateway and clients)", "",
@@ -194,6 +200,35 @@ def render_markdown(d: dict[str, Any]) -> str:
                          f"real time = {t1[1][1] / t1[0][1]:.2f}.")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _burst_lines(b: dict[str, Any] | None) -> list[str]:
+    """The ``burst`` phase: newcomers' time to first audio and what the burst cost the streams
+    already playing (their underruns from the burst on)."""
+    if not b:
+        return []
+    lines = ["### Burst: newcomers while streams play (one vLLM engine)", ""]
+    if b.get("error"):
+        lines += [f"Did not run: {b['error'][:500]}", ""]
+    rows = [r for r in b.get("levels") or [] if r.get("scenario") == "burst"]
+    if rows:
+        lines += ["| newcomers | newcomers' TTFA p50 / p99 ms | newcomers' underruns (ms of silence) "
+                  "| playing streams' underruns since the burst (ms of silence) | errors |", "|---|---|---|---|---|"]
+    for r in rows:
+        if "failed" in r:
+            lines.append(f"| {r['sessions']} | failed: {r['failed'][:80]} | | | |")
+            continue
+        roles = r.get("roles") or {}
+        new, bg = roles.get("burst") or {}, roles.get("background") or {}
+        t = new.get("ttfa_ms") or {}
+        lines.append(f"| {r['sessions']} | {_f(t.get('p50'))} / {_f(t.get('p99'))} "
+                     f"| {_f(new.get('underruns'))} ({_f(new.get('underrun_ms'))}) "
+                     f"| {_f(bg.get('underruns_since'))} ({_f(bg.get('underrun_ms_since'))}) | {_f(r.get('n_errors'))} |")
+    if rows:
+        lines.append("")
+    if b.get("skipped"):
+        lines += ["Skipped: " + "; ".join(b["skipped"]), ""]
+    return lines
 
 
 def _top_throughput(e: dict[str, Any] | None) -> tuple[int, float] | None:

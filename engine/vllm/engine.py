@@ -2,7 +2,7 @@
 
 Per request: our own prompt ids (``skip_tokenizer_init``), the speaker vector and ChatTTS
 sampling parameters in ``SamplingParams.extra_args`` (read in the worker by
-:class:`engine.vllm.logits.ChatTTSLogitsProcessor`), ``cache_salt`` per speaker, ``priority``.
+:class:`engine.vllm.logits.ChatTTSLogitsProcessor`), ``cache_salt`` per speaker.
 
 Codebooks 1..3 reach this process through the frame table of :mod:`engine.vllm.channel`:
 every request holds a slot of it for its life; vLLM's token ``k`` (codebook 0) tells which
@@ -107,6 +107,7 @@ class VllmCodeEngine:
         self.info: CodeModelInfo = self._prompts.info
         self._llm: Any = None
         self._live: dict[str, _Live] = {}
+        self._counters: dict[str, float] = dict.fromkeys(("requests", "first_outputs", "ttft_s", "steps", "outputs"), 0.0)
         self._stats: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._dead: str | None = None
         self._restart_lock = asyncio.Lock()
@@ -139,7 +140,6 @@ class VllmCodeEngine:
             max_num_batched_tokens=max(self.cfg.max_num_batched_tokens, 16),
             enable_chunked_prefill=self.cfg.enable_chunked_prefill,
             enable_prefix_caching=self.cfg.enable_prefix_caching,
-            scheduling_policy=self.cfg.scheduling_policy,
             enforce_eager=self.cfg.enforce_eager,
             logits_processors=[logits_processor_fqcn()],
             worker_extension_cls="engine.vllm.worker_ext.ChatTTSWorkerExtension",
@@ -461,11 +461,10 @@ class VllmCodeEngine:
             raise
         k = 0 if request.prefix_codes is None else len(request.prefix_codes)
         t_submit = time.monotonic()
+        counters = self._counters
+        counters["requests"] += 1
         stats: dict[str, Any] = {"prompt_tokens": len(prompt["prompt_token_ids"]), "steps": 0, "slot": slot}
-        kwargs: dict[str, Any] = {}
-        if self.cfg.scheduling_policy == "priority":
-            kwargs["priority"] = int(request.priority)  # vLLM refuses priorities under fcfs
-        stream = llm.generate(prompt, sp, rid, **kwargs)
+        stream = llm.generate(prompt, sp, rid)
         finished = False
         try:
             async for out in stream:
@@ -477,8 +476,12 @@ class VllmCodeEngine:
                 codes = got
                 k += len(tokens)
                 stats["steps"] += len(tokens)
+                counters["steps"] += len(tokens)
+                counters["outputs"] += 1
                 if "ttft_s" not in stats and len(tokens):
-                    stats["ttft_s"] = time.monotonic() - t_submit
+                    stats["ttft_s"] = ttft = time.monotonic() - t_submit
+                    counters["first_outputs"] += 1
+                    counters["ttft_s"] += ttft
                     stats["num_cached_tokens"] = getattr(out, "num_cached_tokens", None)
                 done = bool(out.finished) or saw_eos
                 reason = None
@@ -545,7 +548,8 @@ class VllmCodeEngine:
         if self._dead or llm.errored:
             self._dead = self._dead or "vLLM engine core died"
             return EngineHealth(self.name, False, len(self._live), self._dead)
-        return EngineHealth(self.name, True, len(self._live), f"vLLM {_vllm_version()} on {self.device}")
+        return EngineHealth(self.name, True, len(self._live), f"vLLM {_vllm_version()} on {self.device}",
+                            counters=dict(self._counters))
 
     async def worker_stats(self) -> dict[str, int]:
         """Counters from the worker process (e.g. requests resumed after preemption)."""

@@ -1,4 +1,4 @@
-"""Admission control and deadline dispatch over a real socket (fake engine, 127.0.0.1)."""
+"""Admission control over a real socket (fake engine, 127.0.0.1)."""
 
 from __future__ import annotations
 

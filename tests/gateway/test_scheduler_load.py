@@ -8,12 +8,11 @@ from gateway.scheduling import AdmissionController, EngineLoad, StepTimeEstimato
 from voicegw.config import SchedulerConfig
 
 
-def test_engine_load_priority_vs_fcfs() -> None:
-    assert engine_load(3, 4, 0, True) == EngineLoad(running=3, waiting_ahead=0, max_num_seqs=4)
-    # 7 in the engine, 4 slots: 3 queued; under priority only queued first segments are ahead
-    assert engine_load(7, 4, 1, True) == EngineLoad(4, 1, 4)
-    assert engine_load(7, 4, 1, False) == EngineLoad(4, 3, 4)
-    assert engine_load(-1, 0, 5, True) == EngineLoad(0, 0, 1)
+def test_engine_load_fcfs() -> None:
+    assert engine_load(3, 4) == EngineLoad(running=3, waiting_ahead=0, max_num_seqs=4)
+    # 7 in the engine, 4 slots: 3 queued, all ahead of a new utterance (FCFS)
+    assert engine_load(7, 4) == EngineLoad(4, 3, 4)
+    assert engine_load(-1, 0) == EngineLoad(0, 0, 1)
 
 
 def test_queue_only_admission() -> None:

@@ -1,4 +1,4 @@
-"""gateway/scheduling.py: priority from playback deadline, re-evaluation, step-time model, admission."""
+"""gateway/scheduling.py: step-time model, admission."""
 
 from __future__ import annotations
 
@@ -13,51 +13,11 @@ from gateway.scheduling import (
     REALTIME_STEP_MS,
     AdmissionController,
     EngineLoad,
-    SchedulingPolicy,
     StepTimeEstimator,
-    client_buffered_ms,
-    fcfs_priority,
-    make_priority_fn,
-    priority_fn_for,
 )
 from voicegw.config import SchedulerConfig
 
-CFG = SchedulerConfig(ttfa_target_ms=500.0, urgent_buffer_ms=300.0, priority_levels=8, bucket_ms=500.0)
-
-
-# ----------------------------------------------------------------------------- buffer estimate
-
-
-def test_buffered_from_sent_and_played() -> None:
-    # 1 s sent, 0.25 s played at 24 kHz, report just arrived
-    assert client_buffered_ms(24_000, 6_000, 24_000) == pytest.approx(750.0)
-
-
-def test_buffered_drains_while_playing_since_report() -> None:
-    assert client_buffered_ms(24_000, 6_000, 24_000, ms_since_report=250.0) == pytest.approx(500.0)
-    # paused / prebuffering client: no drain
-    assert client_buffered_ms(24_000, 6_000, 24_000, ms_since_report=250.0, playing=False) == pytest.approx(750.0)
-
-
-def test_buffered_never_negative_and_counts_unsent() -> None:
-    assert client_buffered_ms(1_000, 0, 24_000, ms_since_report=10_000.0) == 0.0
-    assert client_buffered_ms(0, 500, 24_000) == 0.0  # report ahead of our count (racy): clamp
-    assert client_buffered_ms(0, 0, 16_000, unsent_samples=1_600) == pytest.approx(100.0)
-
-
-def test_buffered_rejects_bad_rate() -> None:
-    with pytest.raises(ValueError):
-        client_buffered_ms(1, 0, 0)
-
-
-# ----------------------------------------------------------------------------- priorities
-
-
-def test_invalid_policy_config() -> None:
-    with pytest.raises(ValueError):
-        SchedulingPolicy(SchedulerConfig(priority_levels=0))
-    with pytest.raises(ValueError):
-        SchedulingPolicy(SchedulerConfig(bucket_ms=0))
+CFG = SchedulerConfig(ttfa_target_ms=500.0)
 
 
 # ----------------------------------------------------------------------------- step time model
@@ -192,87 +152,3 @@ def test_admission_learns_from_observations() -> None:
 def test_overloaded_code_matches_wire_protocol() -> None:
     protocol = pytest.importorskip("gateway.protocol")
     assert OVERLOADED_CODE == protocol.ErrorCode.ENGINE_OVERLOADED.value
-
-
-# ----------------------------------------------------------------------------- deadline mode
-
-
-def test_deadline_mode_is_default_and_uses_absolute_time() -> None:
-    p = SchedulingPolicy(CFG, epoch_s=100.0)
-    assert p.first_lead_ms == 0.0 and p.slack_ms == CFG.urgent_buffer_ms
-    # continuing: deadline = now + buffer - slack, in 500 ms buckets since the epoch
-    assert p.segment_priority(1, 1_300.0, now_s=110.0) == (10_000 + 1_000) // 500
-    assert p.segment_priority(1, 100.0, now_s=110.0) == 10_000 // 500  # never before now
-    # first segment: now
-    assert p.segment_priority(0, 0.0, now_s=110.0) == 10_000 // 500
-    # horizon caps deep buffers
-    assert p.segment_priority(1, 1e9, now_s=110.0) == p.segment_priority(1, 4_300.0, now_s=110.0)
-
-
-def test_deadline_priority_does_not_drift_while_the_client_plays() -> None:
-    """The reason for deadline mode: a waiting request keeps its place with no re-evaluation."""
-    p = SchedulingPolicy(CFG, slack_ms=0.0)
-    sent = 24_000 * 3
-    at_submit = p.segment_priority(1, client_buffered_ms(sent, 0, 24_000, 0.0), now_s=50.0)
-    for dt in (0.25, 1.0, 2.0, 2.9):
-        later = p.segment_priority(1, client_buffered_ms(sent, 0, 24_000, dt * 1000.0), now_s=50.0 + dt)
-        assert abs(later - at_submit) <= 1  # quantisation only
-
-
-def test_deadline_orders_old_shallow_before_new_deep() -> None:
-    p = SchedulingPolicy(CFG, slack_ms=0.0)
-    old = p.segment_priority(1, 3_000.0, now_s=10.0)  # needed at 13 s
-    new_deep = p.segment_priority(1, 3_500.0, now_s=11.0)  # needed at 14.5 s
-    new_shallow = p.segment_priority(1, 0.0, now_s=12.0)  # needed at 12 s
-    assert new_shallow < old < new_deep
-
-
-def test_first_segment_beats_everything_not_long_dry() -> None:
-    p = SchedulingPolicy(CFG, first_lead_ms=4_000.0, slack_ms=0.0)  # "first segment always first"
-    first = p.segment_priority(0, 0.0, now_s=20.0)
-    assert first < p.segment_priority(1, 0.0, now_s=20.0)
-    assert first < p.segment_priority(1, 0.0, now_s=17.0)  # dry for 3 s < horizon 4 s
-    assert first > p.segment_priority(1, 0.0, now_s=15.0)  # dry for 5 s: it goes first
-    q = SchedulingPolicy(CFG, first_lead_ms=0.0)
-    assert q.segment_priority(0, 0.0, now_s=20.0) == q.segment_priority(1, 0.0, now_s=20.0)
-
-
-@given(
-    t=st.floats(min_value=0, max_value=1e5, allow_nan=False),
-    a=st.floats(min_value=0, max_value=60_000, allow_nan=False),
-    b=st.floats(min_value=0, max_value=60_000, allow_nan=False),
-)
-def test_deadline_priority_monotone(t: float, a: float, b: float) -> None:
-    p = SchedulingPolicy(CFG)
-    lo, hi = sorted((a, b))
-    assert p.segment_priority(1, lo, t) <= p.segment_priority(1, hi, t)
-    assert p.segment_priority(1, a, t) <= p.segment_priority(1, a, t + 1.0)
-    assert p.segment_priority(0, 0.0, t) <= p.segment_priority(1, lo, t)
-
-
-def test_priority_fn_uses_the_session_clock() -> None:
-    fn = make_priority_fn(CFG)
-    a = fn(False, 1_300.0, 1_000.0)
-    assert a == 2  # epoch = the first call's now: (0 + 1300 - 300) // 500
-    assert fn(False, 1_300.0, 1_010.0) == a + 20
-    assert fn(True, 0.0, 1_010.0) == 10_000 // 500
-    assert fcfs_priority(True, 0.0, 5.0) == fcfs_priority(False, 9e9, 9.0) == 0
-    assert priority_fn_for(CFG, "fcfs") is fcfs_priority
-    assert priority_fn_for(CFG, "priority")(True, 0.0, 3.0) == 0
-
-
-def test_default_ordering_new_utterance_vs_playing_streams() -> None:
-    p = SchedulingPolicy(CFG, epoch_s=0.0)
-    first = p.segment_priority(0, 0.0, now_s=50.0)
-    assert first < p.segment_priority(1, 1_500.0, now_s=50.0)  # stream with audio in hand waits
-    assert first == p.segment_priority(1, 200.0, now_s=50.0)  # about to run dry: tie, FIFO
-    assert p.segment_priority(1, 1_500.0, now_s=48.0) < first  # older request already due: first
-
-
-def test_slack_makes_shallow_streams_as_urgent_as_new_utterances() -> None:
-    p = SchedulingPolicy(CFG, first_lead_ms=0.0, slack_ms=2_000.0, epoch_s=0.0)
-    first = p.segment_priority(0, 0.0, now_s=30.0)
-    assert p.segment_priority(1, 1_500.0, now_s=30.0) == first  # within the slack: tie (FIFO in vLLM)
-    assert p.segment_priority(1, 1_500.0, now_s=29.0) < first  # submitted earlier: goes first
-    assert p.segment_priority(1, 3_000.0, now_s=30.0) == first + 2  # 1 s beyond the slack
-    assert p.deadline_ms(1, 1e9, 30.0) == 30_000.0 + p.horizon_ms

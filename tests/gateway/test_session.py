@@ -25,7 +25,7 @@ from gateway.session import (
     SessionSettings,
     StartStream,
 )
-from voicegw.config import LimitsConfig, SchedulerConfig
+from voicegw.config import LimitsConfig
 
 RATE = 16_000
 MS = RATE // 1000  # samples per ms
@@ -56,7 +56,7 @@ class Harness:
         lim = dataclasses.replace(LimitsConfig(), **(limits or {}))
         settings.setdefault("segmenter", SegmenterConfig(first_min_units=5, min_units=10))
         self.obs = Recorder()
-        self.s = Session("S", SessionSettings(limits=lim, scheduler=SchedulerConfig(), engine_name="t", **settings),
+        self.s = Session("S", SessionSettings(limits=lim, engine_name="t", **settings),
                          0.0, observer=self.obs)
         self.now = 0.0
         self.actions: list[Action] = []
@@ -111,7 +111,7 @@ def test_start_and_stream_one_utterance():
     assert started["type"] == "session.started" and started["sample_rate"] == RATE and started["voice"] == 3
     acts = h.msg({"type": "text.delta", "text": "Hello world, this is"})
     (st,) = starts(acts)
-    assert st.request.text == "Hello world," and st.request.priority == 0
+    assert st.request.text == "Hello world,"
     assert st.request.sample_rate_hz == RATE and st.request.speaker == 3
     rid = st.request.request_id
     assert h.s.may_pull(h.now, rid)
@@ -143,7 +143,6 @@ def test_segments_are_pipelined_and_audio_stays_in_order():
     h.start()
     acts = h.msg({"type": "text.delta", "text": "First clause here, then a whole sentence follows. "})
     s1, s2 = starts(acts)  # two in flight at once
-    assert s2.request.priority >= 1
     assert not starts(h.msg({"type": "text.delta", "text": "And a third sentence that waits. "}))
     # audio of segment 2 arrives first: it is held, not sent
     acts = h.audio(s2.request.request_id, 200)
@@ -428,22 +427,6 @@ def test_mulaw_frames_and_bad_engine_audio():
     assert messages(acts, "error")[0]["code"] == "engine_error"
 
 
-def test_priority_function_is_swappable():
-    calls: list[tuple[bool, float]] = []
-
-    def prio(first: bool, buffered_ms: float, now_s: float) -> int:
-        calls.append((first, buffered_ms))
-        return 42
-
-    lim = LimitsConfig()
-    s = Session("P", SessionSettings(limits=lim, segmenter=SegmenterConfig(first_min_units=5, min_units=10)),
-                0.0, priority_fn=prio)
-    s.on_text_frame(0.0, '{"type":"session.start"}')
-    acts = s.on_text_frame(0.0, '{"type":"text.delta","text":"Hello world, this is a sentence. "}')
-    assert [a.request.priority for a in starts(acts)] == [42, 42]
-    assert calls[0] == (True, 0.0) and calls[1][0] is False
-
-
 def test_mulaw_matches_g711():
     x = np.array([0, 1, -1, 100, -100, 1000, -1000, 32767, -32768, 8031, -8031], dtype="<i2")
     enc = mulaw_encode(x.tobytes())
@@ -462,36 +445,4 @@ def test_idle_timeout_applies_to_an_open_utterance_with_nothing_in_flight():
     assert h.s.next_deadline_s(2.0) == pytest.approx(7.0)
     assert h.timer(6.9) == []
     assert h.timer(7.0)[-1] == Close(P.CloseCode.NORMAL, P.CloseReason.IDLE)
-
-
-def test_continuing_segment_runway_counts_audio_still_expected_ahead():
-    """A segment submitted while its predecessor generates is needed when the predecessor's
-    audio has played: its runway counts the predecessor's estimated duration (text units x
-    est_ms_per_unit) less what it produced (the switch that turned this off lost: bench/RESULTS.md)."""
-    calls: list[tuple[bool, float]] = []
-
-    def prio(first: bool, buffered_ms: float, now_s: float) -> int:
-        calls.append((first, buffered_ms))
-        return 0 if first else 1
-
-    sched = SchedulerConfig()
-    s = Session("R", SessionSettings(limits=LimitsConfig(), scheduler=sched, est_ms_per_unit=70.0,
-                                     max_in_flight=2,
-                                     segmenter=SegmenterConfig(first_min_units=5, min_units=10)),
-                0.0, priority_fn=prio)
-    s.on_text_frame(0.0, '{"type":"session.start","sample_rate":16000}')
-    acts = s.on_text_frame(0.0, '{"type":"text.delta","text":"Hello world, "}')
-    (first,) = starts(acts)
-    first_units = sum(1 for c in first.request.text if not c.isspace())
-    # 100 ms of the first segment's audio arrive (held or sent: in hand either way)
-    s.on_audio(0.01, first.request.request_id, AudioChunk(first.request.request_id, b"\x00\x00" * 100 * MS, RATE))
-    acts = s.on_text_frame(0.02, '{"type":"text.delta","text":"this is a sentence that follows. "}')
-    (second,) = starts(acts)
-    assert calls[0] == (True, 0.0)
-    in_hand_ms = 100.0 - 10.0  # sent at 0.01 s, 10 ms of it played by 0.02 s (or held: 100)
-    runway_ms = calls[1][1]
-    expected_rest_ms = first_units * 70.0 - 100.0
-    assert runway_ms >= in_hand_ms + expected_rest_ms - 1.0
-    assert runway_ms <= 100.0 + expected_rest_ms + 1.0
-    assert second.request.priority == 1
 

@@ -204,14 +204,6 @@ async def test_watch_stalls_sees_a_blocked_event_loop() -> None:
     assert len(out) == 1 and 0.25 < out[0][1] - out[0][0] < 0.6
 
 
-def test_scheduling_bench_infers_stalls_from_level_gaps() -> None:
-    from bench.scheduling_bench import stalls_from_levels
-
-    a = {"levels": [[0.25, 1.0], [0.5, 1.0], [1.5, 0.0], [1.75, 0.0]]}
-    b = {"levels": [[0.3, 1.0], [0.55, 1.0], [1.55, 0.0]]}
-    assert stalls_from_levels([a, b]) == [[0.55, 1.5]]
-
-
 # ----------------------------------------------------------------------------- end to end
 
 
