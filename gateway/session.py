@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from engine.api import AudioChunk, SamplingParams, SpeechRequest
+from engine.api import NATIVE_SAMPLE_RATE_HZ, SAMPLES_PER_STEP, AudioChunk, SamplingParams, SpeechRequest
 from gateway import protocol as P
 from gateway.audio import encode_samples
 from gateway.flow import FlowConfig, FlowControl
@@ -34,6 +34,9 @@ from gateway.segmenter import Segmenter, is_cjk, is_speakable, text_units, word_
 from voicegw.config import Config, LimitsConfig, SessionConfig
 
 _log = logging.getLogger("voicegw.session")
+
+#: Audio of one ChatTTS GPT step, ms.
+STEP_MS = SAMPLES_PER_STEP * 1000.0 / NATIVE_SAMPLE_RATE_HZ
 
 
 def _voice_for_log(voice: str | int | None) -> str:
@@ -767,11 +770,17 @@ class Session:
         self._obs.segment_submitted()
         self.log.debug("segment %s submitted (%d chars)", request_id, len(text),
                        extra={"utterance": utt.id, "request_id": request_id})
+        params = self._params
+        floor_ms = self.settings.min_audio_ms_per_unit
+        if floor_ms > 0:
+            steps = min(params.max_new_tokens - 1, math.ceil(seg.units * floor_ms / STEP_MS - 1e-9))
+            if steps > params.min_new_tokens:
+                params = replace(params, min_new_tokens=steps)
         out.append(StartStream(SpeechRequest(
             request_id=request_id,
             text=text,
             speaker=self._voice,
-            params=self._params,
+            params=params,
             sample_rate_hz=self.rate_hz,
         ), first=first))
 

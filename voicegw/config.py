@@ -289,6 +289,12 @@ class SessionConfig(_Checked):
     """Finished utterances kept for ``cancelled`` accounting (audio may still be playing)."""
     est_ms_per_unit: float = 70.0
     """Speaking time per text unit, to place the playhead inside a segment still generating."""
+    min_audio_ms_per_unit: float = 0.0
+    """Floor on a segment's audio per text unit (``gateway.segmenter.text_units``): the GPT may not
+    stop (EOS is masked through ``min_new_tokens``) before ``units x this`` ms of audio. Guards
+    against a GPT that stops before the end of its text; typical speech is ``est_ms_per_unit``.
+    0: off, the model alone decides. The GPU benchmarks set 32 (half of typical speech) so that
+    random-weight checkpoints, which stop at random, give segments of speech-like length."""
 
 
 @dataclass(frozen=True)
@@ -449,6 +455,8 @@ def _validate(section: str, name: str, value: Any) -> None:
         raise ConfigError(f"engine.decoder_torch_threads: must be >= 0, got {value!r}")
     if key == ("engine", "decoder_device") and not re.fullmatch(r"|cpu|cuda(:\d+)?", value):
         raise ConfigError(f"engine.decoder_device: expected '', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+    if key == ("session", "min_audio_ms_per_unit") and not 0 <= value <= 1000:
+        raise ConfigError(f"session.min_audio_ms_per_unit: must be in 0..1000 (0 = off), got {value!r}")
     if key == ("gateway", "load_log_interval_s") and value < 0:
         raise ConfigError(f"gateway.load_log_interval_s: must be >= 0 (0 = off), got {value!r}")
     if key == ("engine", "data_parallel_size") and value < 1:

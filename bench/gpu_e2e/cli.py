@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--duration", type=float, default=None, help="seconds of load per level [GPU 15, CPU 8]")
     g.add_argument("--settle", type=float, default=None, help="seconds to finish after it [GPU 6, CPU 4]")
     g.add_argument("--ramp", type=float, default=2.0, help="steady: seconds over which sessions connect")
+    g.add_argument("--level1-duration", type=float, default=30.0,
+                   help="steady: seconds of load at 1 session (several answers for its TTFA)")
+    g.add_argument("--min-audio-ms-per-unit", type=float, default=32.0,
+                   help="gateway session.min_audio_ms_per_unit: random-weight checkpoints stop at random; "
+                        "this floor (half of typical speech) gives segments of speech-like length. 0: off")
     g.add_argument("--think", type=float, default=1.0, help="steady: mean pause between turns")
     g.add_argument("--tokens-per-s", type=float, default=40.0)
     g.add_argument("--utterance-chars", type=int, default=160)

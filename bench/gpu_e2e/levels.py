@@ -102,6 +102,8 @@ def gateway_cmd(args: argparse.Namespace, port: int, dp: int, async_sched: bool,
         "gateway.port": port,
         "gateway.log_level": "INFO",
         "gateway.load_log_interval_s": 1.0,
+        # random weights stop at random: a floor of half of typical speech gives speech-like segments
+        "session.min_audio_ms_per_unit": args.min_audio_ms_per_unit,
         "engine.backend": "vllm",
         "engine.model_dir": str(args.model_dir),
         "engine.device": args.device,

@@ -241,7 +241,8 @@ def _drive_gateway(args: argparse.Namespace, res: Results, budget: Budget, gw: G
     raw_dir = args.out / "raw" if args.keep_raw else None
     skipped: list[str] = info.setdefault("skipped", [])
     plan: list[tuple[str, int, float, float, float | None]] = [
-        ("steady", n, args.duration, args.settle, None) for n in steady_levels]
+        ("steady", n, max(args.duration, args.level1_duration) if n == 1 else args.duration, args.settle, None)
+        for n in steady_levels]
     if key == "e2e":
         plan += [("steady", n, args.duration, args.settle, r) for n, r in getattr(args, "ramp_levels", [])]
     plan += [("closed-loop", n, args.compare_duration, args.settle, None) for n in compare]

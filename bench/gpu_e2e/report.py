@@ -86,8 +86,9 @@ def render_markdown(d: dict[str, Any]) -> str:
         lines.append(f"Measured {runs[-1].get('date', '?')} on {host.get('hostname', '?')}: {host.get('cpus')} CPU "
                      f"cores, Python {host.get('python')}, torch {host.get('torch')}, vLLM {host.get('vllm')}. "
                      "ChatTTS-shaped checkpoint with random weights "
-                     f"({(d.get('checkpoint') or {}).get('size', '?')}): segment lengths are random, so "
-                     "audio per answer is not that of real speech; the timing is.")
+                     f"({(d.get('checkpoint') or {}).get('size', '?')}): it stops at random, so the gateway runs "
+                     "with `session.min_audio_ms_per_unit` (see the command: 32 ms per text unit, half of "
+                     "typical speech) to give segments a speech-like length; the rest of the length is random.")
         lines.append("")
         lines.append("Commands:")
         lines.append("")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -446,3 +447,26 @@ def test_idle_timeout_applies_to_an_open_utterance_with_nothing_in_flight():
     assert h.timer(6.9) == []
     assert h.timer(7.0)[-1] == Close(P.CloseCode.NORMAL, P.CloseReason.IDLE)
 
+
+
+def test_min_audio_ms_per_unit_floors_min_new_tokens() -> None:
+    """``session.min_audio_ms_per_unit``: a segment's EOS is masked until units x floor ms of audio."""
+    from gateway.segmenter import text_units
+    from gateway.session import STEP_MS
+
+    off = Harness()
+    off.start()
+    off.msg({"type": "text.delta", "text": "Hello there, this is a test."})
+    off.msg({"type": "text.end"})
+    assert all(a.request.params.min_new_tokens == 0 for a in starts(off.actions))
+
+    h = Harness(min_audio_ms_per_unit=32.0)
+    h.start()
+    h.msg({"type": "text.delta", "text": "Hello there, this is a test."})
+    h.msg({"type": "text.end"})
+    reqs = [a.request for a in starts(h.actions)]
+    assert reqs
+    for r in reqs:
+        want = math.ceil(text_units(r.text) * 32.0 / STEP_MS - 1e-9)
+        assert r.params.min_new_tokens == want > 0
+        assert r.params.min_new_tokens < r.params.max_new_tokens
