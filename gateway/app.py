@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -84,6 +86,7 @@ async def _main(config: Config, engine: SpeechEngine) -> None:
         await engine.start()
     except Exception as exc:
         raise _StartupError(f"cannot start the engine {engine.name}: {exc}") from None
+    freeze_startup_heap()
     stop = asyncio.Event()
     force = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -102,6 +105,16 @@ async def _main(config: Config, engine: SpeechEngine) -> None:
         await serve(config, engine, stop=stop, force_stop=force)
     finally:
         await engine.close()
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive after start-up (torch, vLLM, the engine: millions of them) out of
+    the garbage collector's reach (``gc.freeze``), so a full collection under load scans only
+    what the sessions allocated since: no pause of the event loop that grows with the imports."""
+    t0 = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    log.info("gc: %d start-up objects frozen in %.0f ms", gc.get_freeze_count(), 1000 * (time.perf_counter() - t0))
 
 
 class JsonFormatter(logging.Formatter):

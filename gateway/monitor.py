@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -44,6 +45,15 @@ class LoadWindow:
         self._lag_max_s = 0.0
         self._lag_sum_s = 0.0
         self._probes = 0
+        self._gc_max_s = 0.0
+        self._gc_sum_s = 0.0
+        self._gc_full = 0
+
+    def gc_pause(self, generation: int, pause_s: float) -> None:
+        self._gc_max_s = max(self._gc_max_s, pause_s)
+        self._gc_sum_s += pause_s
+        if generation >= 2:
+            self._gc_full += 1
 
     def probe(self, lag_s: float) -> None:
         self._lag_max_s = max(self._lag_max_s, lag_s)
@@ -57,6 +67,9 @@ class LoadWindow:
         out: dict[str, float] = {
             "lag_ms_max": round(1000 * self._lag_max_s, 1),
             "lag_ms_mean": round(1000 * self._lag_sum_s / max(1, self._probes), 1),
+            "gc_ms_max": round(1000 * self._gc_max_s, 1),
+            "gc_ms_total": round(1000 * self._gc_sum_s, 1),
+            "gc_full": float(self._gc_full),
         }
         for name in ("requests", "first_outputs", "steps", "outputs", "decode_jobs"):
             if name in d:
@@ -103,7 +116,23 @@ class LoadMonitor:
         _, counters = self._counters()
         now = loop.time()
         window = LoadWindow(counters, now)
-        next_line = now + self.interval_s
+        started: list[float] = []
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                started[:] = [time.perf_counter()]
+            elif started:
+                window.gc_pause(int(info.get("generation", 0)), time.perf_counter() - started[0])
+
+        gc.callbacks.append(on_gc)
+        try:
+            await self._probe_loop(loop, window)
+        finally:
+            with contextlib.suppress(ValueError):
+                gc.callbacks.remove(on_gc)
+
+    async def _probe_loop(self, loop: asyncio.AbstractEventLoop, window: LoadWindow) -> None:
+        next_line = loop.time() + self.interval_s
         while True:
             t0 = loop.time()
             await asyncio.sleep(PROBE_S)

@@ -143,9 +143,11 @@ class EngineConfig(_Checked):
     restarting the gateway; /healthz is 503 and requests fail ``engine_unavailable`` meanwhile."""
     restart_backoff_s: float = 5.0
     """Wait after a failed restart before the next attempt; doubles per failure, at most 60 s."""
-    first_chunk_steps: int = 4
-    """Decoder: GPT steps of audio in the first chunk (4 steps = 85 ms); first audio comes after
-    first_chunk_steps + decoder_lookahead_steps GPT steps (exact mode: + 52 for ChatTTS)."""
+    first_chunk_steps: int = 2
+    """Decoder: GPT steps of audio in the first chunk (2 steps = 43 ms); first audio comes after
+    first_chunk_steps + decoder_lookahead_steps GPT steps (exact mode: + 52 for ChatTTS). 2, not 4:
+    on an H200 (2026-12-02, same call) seg-TTFA p50 at 1 session 29 vs 42 ms, at 64 sessions
+    p50/p99 47/142 vs 87/203 ms, with no underruns at either (bench/RESULTS.md)."""
     chunk_steps: int = 16
     """Decoder: GPT steps per later chunk."""
     decoder_max_batch: int = 64

@@ -58,3 +58,24 @@ async def test_monitor_logs_lag_and_rates(caplog: pytest.LogCaptureFixture) -> N
     assert float(fields["steps_per_s"]) > 0
     text = metrics.render().decode()
     assert "voicegw_event_loop_lag_seconds_count" in text
+
+
+def test_load_window_gc_pauses() -> None:
+    w = LoadWindow({}, 0.0)
+    w.gc_pause(0, 0.001)
+    w.gc_pause(2, 0.300)
+    out = w.close({}, 1.0)
+    assert out["gc_ms_max"] == 300.0 and out["gc_ms_total"] == 301.0 and out["gc_full"] == 1.0
+    assert w.close({}, 2.0)["gc_full"] == 0.0
+
+
+def test_startup_heap_is_frozen() -> None:
+    import gc
+
+    from gateway.app import freeze_startup_heap
+
+    try:
+        freeze_startup_heap()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
