@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import orjson
@@ -116,3 +117,80 @@ def test_wire_constants_are_json():
     assert c["audio_header"]["bytes"] == 16
     assert c["error_codes"]["RATE_LIMITED"] == "rate_limited"
     assert c["close_codes"]["TRY_AGAIN_LATER"] == 1013
+
+
+# ---- server messages: one dataclass per type, one encoder --------------------------------------
+
+_LIMITS = P.SessionLimits(max_message_bytes=65536, max_utterance_chars=20000, max_chars_per_s=2000.0,
+                          max_messages_per_s=200.0, max_queued_utterances=16, idle_timeout_s=300.0,
+                          flow_window_ms=2000.0)
+
+#: (message, its exact wire bytes): every type, with its optional fields left out and filled in.
+WIRE: list[tuple[P.ServerMessage, bytes]] = [
+    (P.SessionStarted(session_id="s1", engine="t", sample_rate=16000, format=P.AudioFormat.MULAW, limits=_LIMITS,
+                      playback_report_interval_ms=250.0),
+     b'{"type":"session.started","session_id":"s1","protocol":"voicegw.v1","engine":"t","sample_rate":16000,'
+     b'"format":"mulaw","channels":1,"frame_header_bytes":16,"limits":{"max_message_bytes":65536,'
+     b'"max_utterance_chars":20000,"max_chars_per_s":2000.0,"max_messages_per_s":200.0,"max_queued_utterances":16,'
+     b'"idle_timeout_s":300.0,"flow_window_ms":2000.0},"playback_report_interval_ms":250.0}'),
+    (P.SessionStarted(session_id="s1", engine="t", sample_rate=24000, format=P.AudioFormat.PCM16, limits=_LIMITS,
+                      playback_report_interval_ms=250.0, voice="abc", language="en", id=7),
+     b'{"type":"session.started","session_id":"s1","protocol":"voicegw.v1","engine":"t","sample_rate":24000,'
+     b'"format":"pcm16","channels":1,"frame_header_bytes":16,"limits":{"max_message_bytes":65536,'
+     b'"max_utterance_chars":20000,"max_chars_per_s":2000.0,"max_messages_per_s":200.0,"max_queued_utterances":16,'
+     b'"idle_timeout_s":300.0,"flow_window_ms":2000.0},"playback_report_interval_ms":250.0,"voice":"abc",'
+     b'"language":"en","id":7}'),
+    (P.SegmentStarted(utterance_id=1, segment=0, text="Hi.", sample_offset=0, start_char=0, end_char=3),
+     b'{"type":"segment.started","utterance_id":1,"segment":0,"text":"Hi.","sample_offset":0,"start_char":0,'
+     b'"end_char":3}'),
+    (P.SegmentDone(utterance_id=1, segment=0, samples=960, words=(P.Word(word="Hi.", start_ms=0.0, end_ms=40.0),)),
+     b'{"type":"segment.done","utterance_id":1,"segment":0,"samples":960,'
+     b'"words":[{"word":"Hi.","start_ms":0.0,"end_ms":40.0}],"word_timing":"estimate"}'),
+    (P.SegmentDone(utterance_id=1, segment=1, samples=0, words=()),
+     b'{"type":"segment.done","utterance_id":1,"segment":1,"samples":0,"words":[],"word_timing":"estimate"}'),
+    (P.UtteranceDone(utterance_id=1, status=P.UtteranceStatus.OK, samples=960, duration_ms=40.0, segments=1),
+     b'{"type":"utterance.done","utterance_id":1,"status":"ok","samples":960,"duration_ms":40.0,"segments":1}'),
+    (P.UtteranceDone(utterance_id=2, status=P.UtteranceStatus.ERROR, samples=0, duration_ms=0.0, segments=0,
+                     error=P.ErrorCode.ENGINE_OVERLOADED),
+     b'{"type":"utterance.done","utterance_id":2,"status":"error","samples":0,"duration_ms":0.0,"segments":0,'
+     b'"error":"engine_overloaded"}'),
+    (P.Cancelled(utterance_id=None),
+     b'{"type":"cancelled","utterance_id":null,"generated_ms":0.0,"sent_ms":0.0,"played_ms":0.0,"heard_text":"",'
+     b'"cancelled_utterances":[]}'),
+    (P.Cancelled(utterance_id=3, generated_ms=1.5, sent_ms=1.0, played_ms=0.5, heard_text="a b",
+                 cancelled_utterances=(3, 4), id="c"),
+     b'{"type":"cancelled","utterance_id":3,"generated_ms":1.5,"sent_ms":1.0,"played_ms":0.5,"heard_text":"a b",'
+     b'"cancelled_utterances":[3,4],"id":"c"}'),
+    (P.ErrorMessage(code=P.ErrorCode.UNKNOWN_TYPE),
+     b'{"type":"error","code":"unknown_type","message":"unknown message type","fatal":false}'),
+    (P.ErrorMessage(code=P.ErrorCode.ENGINE_OVERLOADED, id="x", utterance_id=4, retry_after_ms=-5),
+     b'{"type":"error","code":"engine_overloaded","message":"speech engine at capacity; the utterance was stopped",'
+     b'"fatal":false,"id":"x","utterance_id":4,"retry_after_ms":0}'),
+    (P.ErrorMessage(code=P.ErrorCode.INTERNAL_ERROR),
+     b'{"type":"error","code":"internal_error","message":"internal error; the session is closed","fatal":true}'),
+    (P.Pong(server_time_ms=12.5), b'{"type":"pong","server_time_ms":12.5}'),
+    (P.Pong(server_time_ms=12.5, id=1, t=3), b'{"type":"pong","server_time_ms":12.5,"id":1,"t":3}'),
+]
+
+
+def test_every_server_type_has_one_frozen_message_class():
+    assert set(P.SERVER_MESSAGES) == set(P.ServerType)
+    for mtype, cls in P.SERVER_MESSAGES.items():
+        assert cls.TYPE is mtype and dataclasses.is_dataclass(cls)
+        assert cls.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    assert {type(m) for m, _ in WIRE} == set(P.SERVER_MESSAGES.values())  # WIRE covers every type
+
+
+@pytest.mark.parametrize(("msg", "wire"), WIRE, ids=lambda v: v.TYPE.value if hasattr(v, "TYPE") else "")
+def test_server_message_wire_bytes(msg: P.ServerMessage, wire: bytes):
+    assert P.encode_server(msg) == wire
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(msg, dataclasses.fields(msg)[0].name, None)
+
+
+def test_error_text_comes_only_from_the_table():
+    """``message`` and ``fatal`` are not arguments: exception text has no way in."""
+    with pytest.raises(TypeError):
+        P.ErrorMessage(code=P.ErrorCode.INTERNAL_ERROR, message="Traceback ...")  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        P.ErrorMessage(code=P.ErrorCode.INTERNAL_ERROR, fatal=False)  # type: ignore[call-arg]
