@@ -144,15 +144,6 @@ ERROR_MESSAGES: Final[dict[ErrorCode, str]] = {c: e.message for c, e in ERRORS.i
 FATAL_ERRORS: Final = frozenset(c for c, e in ERRORS.items() if e.fatal)
 
 
-def error_spec(code: str) -> tuple[ErrorCode, ErrorSpec]:
-    """A code as the session sent it -> its table entry (an unknown one: ``internal_error``)."""
-    try:
-        c = ErrorCode(code)
-    except ValueError:
-        c = ErrorCode.INTERNAL_ERROR
-    return c, ERRORS[c]
-
-
 class CloseCode(enum.IntEnum):
     """WebSocket close codes the server uses (RFC 6455 numbers)."""
 
@@ -266,7 +257,6 @@ def unpack_audio_frame(data: bytes) -> tuple[AudioFrameHeader, bytes]:
 # --------------------------------------------------------------------------------------------
 # Client messages: schema and parsing
 
-JsonScalar: TypeAlias = str | int | float | bool | None
 MessageId: TypeAlias = str | int
 """A client's ``id`` (validated: a string of at most ``MAX_ID_CHARS``, or an integer), echoed."""
 
@@ -622,30 +612,6 @@ def encode_server(message: ServerMessage) -> bytes:
             continue
         obj[name] = value
     return orjson.dumps(obj)
-
-
-def encode(message: dict[str, Any]) -> bytes:
-    """Serialize a server message (send it as a TEXT frame: ``send(data, text=True)``)."""
-    return orjson.dumps(message)
-
-
-def error_message(code: ErrorCode, *, field: str | None = None, msg_id: JsonScalar = None,
-                  utterance_id: int | None = None, retry_after_ms: int | None = None) -> dict[str, Any]:
-    msg: dict[str, Any] = {
-        "type": ServerType.ERROR.value,
-        "code": code.value,
-        "message": ERROR_MESSAGES[code],
-        "fatal": code in FATAL_ERRORS,
-    }
-    if field is not None:
-        msg["field"] = field if len(field) <= MAX_FIELD_ECHO_CHARS else field[: MAX_FIELD_ECHO_CHARS - 1] + "…"
-    if msg_id is not None:
-        msg["id"] = msg_id
-    if utterance_id is not None:
-        msg["utterance_id"] = utterance_id
-    if retry_after_ms is not None:
-        msg["retry_after_ms"] = max(0, int(retry_after_ms))
-    return msg
 
 
 def wire_constants() -> dict[str, Any]:
