@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -197,3 +199,61 @@ def test_error_text_comes_only_from_the_table():
         P.ErrorMessage(code=P.ErrorCode.INTERNAL_ERROR, message="Traceback ...")  # type: ignore[call-arg]
     with pytest.raises(TypeError):
         P.ErrorMessage(code=P.ErrorCode.INTERNAL_ERROR, fatal=False)  # type: ignore[call-arg]
+
+
+def _server_rows() -> dict[str, str]:
+    section = DOC.split("### Server → client", 1)[1].split("\n### ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        m = re.match(r"\| `([a-z.]+)` \|(.*)", line)
+        if m:
+            rows[m.group(1)] = m.group(2)
+    return rows
+
+
+def test_docs_list_every_server_message_field():
+    rows = _server_rows()
+    assert set(rows) == {t.value for t in P.ServerType}
+    for mtype, cls in P.SERVER_MESSAGES.items():
+        fields_doc = rows[mtype.value].split(" | ")[0]
+        for f in dataclasses.fields(cls):
+            assert f"`{f.name}`" in fields_doc, (mtype, f.name)
+    started = rows[P.ServerType.SESSION_STARTED.value]
+    for f in dataclasses.fields(P.SessionLimits):
+        assert f"`{f.name}`" in started, f.name
+    done = rows[P.ServerType.SEGMENT_DONE.value]
+    assert all(f.name in done for f in dataclasses.fields(P.Word))
+    # the omission rule names every field the encoder leaves out when None
+    rule = DOC.split("Server messages are JSON objects", 1)[1].split("\n\n", 1)[0]
+    for mtype, cls in P.SERVER_MESSAGES.items():
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("voicegw_omit_none"):
+                assert f"`{f.name}`" in rule and f"`{mtype.value}`" in rule, (mtype, f.name)
+
+
+def _from_wire(obj: dict[str, Any]) -> P.ServerMessage:
+    """A decoded server message back into its dataclass (tests only: the server never decodes)."""
+    obj = dict(obj)
+    cls = P.SERVER_MESSAGES[P.ServerType(obj.pop("type"))]
+    if cls is P.ErrorMessage:
+        assert obj.pop("message") == P.ERRORS[P.ErrorCode(obj["code"])].message
+        assert obj.pop("fatal") == P.ERRORS[P.ErrorCode(obj["code"])].fatal
+    conv: dict[str, Any] = {"limits": lambda v: P.SessionLimits(**v), "format": P.AudioFormat,
+                            "words": lambda v: tuple(P.Word(**w) for w in v), "status": P.UtteranceStatus,
+                            "code": P.ErrorCode, "error": P.ErrorCode, "cancelled_utterances": tuple}
+    return cls(**{k: conv[k](v) if k in conv else v for k, v in obj.items()})  # type: ignore[arg-type]
+
+
+def test_the_documented_example_is_what_the_encoder_writes():
+    """Every complete server message of docs/protocol.md's example exchange, byte for byte."""
+    example = DOC.split("## Example exchange", 1)[1]
+    found = set()
+    for block in re.findall(r"^S: (\{.*?\})$(?=\n[A-Z]: |\n```)", example, flags=re.M | re.S):
+        if "..." in block:
+            continue
+        raw = "".join(line.strip() for line in block.splitlines()).encode()
+        msg = _from_wire(orjson.loads(raw))
+        assert P.encode_server(msg) == raw
+        found.add(msg.TYPE)
+    assert found >= {P.ServerType.SESSION_STARTED, P.ServerType.SEGMENT_STARTED, P.ServerType.SEGMENT_DONE,
+                     P.ServerType.CANCELLED, P.ServerType.UTTERANCE_DONE, P.ServerType.ERROR}
