@@ -4,7 +4,10 @@ Pure: no sockets, no asyncio. ``docs/protocol.md`` documents everything here; a 
 two in sync (every enum value appears in the document).
 
 Text frames carry one JSON object each (``{"type": ..., ...}``); binary frames (server to client
-only) carry audio: a 16-byte little-endian header (``AUDIO_HEADER``) followed by samples.
+only) carry audio: a 16-byte little-endian header (``AUDIO_HEADER``) followed by samples. Client
+messages are parsed and validated here (``parse_client_message``); server messages are typed
+(one frozen dataclass per ``ServerType``: ``ServerMessage``) and have one encoder
+(``encode_server``).
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ from __future__ import annotations
 import enum
 import math
 import struct
-from dataclasses import dataclass, field
-from typing import Any, Final, TypeAlias
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Final, Literal, TypeAlias
 
 import orjson
 
@@ -141,16 +144,6 @@ ERROR_MESSAGES: Final[dict[ErrorCode, str]] = {c: e.message for c, e in ERRORS.i
 FATAL_ERRORS: Final = frozenset(c for c, e in ERRORS.items() if e.fatal)
 
 
-def error_spec(code: str) -> tuple[ErrorCode, ErrorSpec]:
-    """A code as the session sent it -> its table entry (an unknown one: ``internal_error``)."""
-    try:
-        c = ErrorCode(code)
-    except ValueError:
-        c = ErrorCode.INTERNAL_ERROR
-    return c, ERRORS[c]
-
-
-
 class CloseCode(enum.IntEnum):
     """WebSocket close codes the server uses (RFC 6455 numbers)."""
 
@@ -264,13 +257,14 @@ def unpack_audio_frame(data: bytes) -> tuple[AudioFrameHeader, bytes]:
 # --------------------------------------------------------------------------------------------
 # Client messages: schema and parsing
 
-JsonScalar: TypeAlias = str | int | float | bool | None
+MessageId: TypeAlias = str | int
+"""A client's ``id`` (validated: a string of at most ``MAX_ID_CHARS``, or an integer), echoed."""
 
 
 class ProtocolError(Exception):
     """A client message was refused. ``str()`` is never sent; clients get ERROR_MESSAGES[code]."""
 
-    def __init__(self, code: ErrorCode, field: str | None = None, msg_id: JsonScalar = None):
+    def __init__(self, code: ErrorCode, field: str | None = None, msg_id: MessageId | None = None):
         super().__init__(code.value if field is None else f"{code.value}: {field}")
         self.code = code
         self.field = field
@@ -383,13 +377,13 @@ class ClientMessage:
     fields: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def id(self) -> JsonScalar:
+    def id(self) -> MessageId | None:
         v = self.fields.get("id")
         return v if isinstance(v, (str, int)) else None
 
 
 def _validate_fields(specs: tuple[FieldSpec, ...], obj: dict[str, Any], prefix: str,
-                     msg_id: JsonScalar) -> dict[str, Any]:
+                     msg_id: MessageId | None) -> dict[str, Any]:
     by_name = {s.name: s for s in specs}
     out: dict[str, Any] = {}
     for key, value in obj.items():
@@ -418,7 +412,7 @@ def parse_client_message(data: str | bytes | dict[str, Any]) -> ClientMessage:
     if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
         raise ProtocolError(ErrorCode.INVALID_MESSAGE)
     raw_id = obj.get("id")
-    msg_id: JsonScalar = raw_id if _ID.check(raw_id) else None
+    msg_id: MessageId | None = raw_id if _ID.check(raw_id) else None
     try:
         mtype = ClientType(obj["type"])
     except ValueError:
@@ -430,35 +424,194 @@ def parse_client_message(data: str | bytes | dict[str, Any]) -> ClientMessage:
 
 
 # --------------------------------------------------------------------------------------------
-# Server messages
+# Server messages: one frozen dataclass per ``ServerType``, one encoder (``encode_server``).
+#
+# A message's fields are its wire keys, in wire order, after ``type`` (the class's ``TYPE``). A
+# field made with ``_optional()`` is left off the wire when it is None; every other field is always
+# sent (``null`` included). Nested values (``SessionLimits``, ``Word``, enums, tuples) are
+# serialized by orjson as they are: dataclasses as objects in field order, enums as their values.
+
+_OMIT_NONE: Final = "voicegw_omit_none"
 
 
-def encode(message: dict[str, Any]) -> bytes:
-    """Serialize a server message (send it as a TEXT frame: ``send(data, text=True)``)."""
-    return orjson.dumps(message)
+def _optional() -> Any:
+    """A field sent only when it is not None."""
+    return field(default=None, metadata={_OMIT_NONE: True})
+
+
+def _derived() -> Any:
+    """A field the message sets itself (``__post_init__``), from the protocol's tables."""
+    return field(init=False)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SessionLimits:
+    """``session.started``'s ``limits``: the limits this session runs under."""
+
+    max_message_bytes: int
+    max_utterance_chars: int
+    max_chars_per_s: float
+    max_messages_per_s: float
+    max_queued_utterances: int
+    idle_timeout_s: float
+    """The session's own: the smaller of ``limits.idle_timeout_s`` and what ``session.start`` asked."""
+    flow_window_ms: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SessionStarted:
+    """Reply to ``session.start``: the session is ready."""
+
+    TYPE: ClassVar[ServerType] = ServerType.SESSION_STARTED
+    session_id: str
+    protocol: str = SUBPROTOCOL
+    engine: str
+    sample_rate: int
+    format: AudioFormat
+    channels: int = 1
+    frame_header_bytes: int = AUDIO_HEADER_BYTES
+    limits: SessionLimits
+    playback_report_interval_ms: float
+    voice: str | int | None = _optional()
+    language: str | None = _optional()
+    id: MessageId | None = _optional()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SegmentStarted:
+    """Sent right before a segment's first audio frame (captions; where a client resumes)."""
+
+    TYPE: ClassVar[ServerType] = ServerType.SEGMENT_STARTED
+    utterance_id: int
+    segment: int
+    text: str
+    sample_offset: int
+    """First sample of the segment within its utterance."""
+    start_char: int
+    end_char: int
+    """The segment's span in the utterance's text as received (code points)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Word:
+    """One word of ``segment.done``'s ``words`` (ms from the utterance's first sample)."""
+
+    word: str
+    start_ms: float
+    end_ms: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SegmentDone:
+    """A segment's last audio frame has been sent."""
+
+    TYPE: ClassVar[ServerType] = ServerType.SEGMENT_DONE
+    utterance_id: int
+    segment: int
+    samples: int
+    words: tuple[Word, ...]
+    word_timing: Literal["estimate"] = "estimate"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UtteranceDone:
+    """All audio of an utterance has been sent (one per utterance, unless it is cancelled)."""
+
+    TYPE: ClassVar[ServerType] = ServerType.UTTERANCE_DONE
+    utterance_id: int
+    status: UtteranceStatus
+    samples: int
+    duration_ms: float
+    segments: int
+    error: ErrorCode | None = _optional()
+    """Why, when ``status`` is ``error``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Cancelled:
+    """Reply to ``cancel``."""
+
+    TYPE: ClassVar[ServerType] = ServerType.CANCELLED
+    utterance_id: int | None
+    """The utterance the playhead was in, else the oldest unfinished one, else None (sent: ``null``)."""
+    generated_ms: float = 0.0
+    sent_ms: float = 0.0
+    played_ms: float = 0.0
+    heard_text: str = ""
+    cancelled_utterances: tuple[int, ...] = ()
+    id: MessageId | None = _optional()
 
 
 #: Longest client-chosen field name echoed in an error (a longer key is cut, with an ellipsis).
 MAX_FIELD_ECHO_CHARS = 64
 
 
-def error_message(code: ErrorCode, *, field: str | None = None, msg_id: JsonScalar = None,
-                  utterance_id: int | None = None, retry_after_ms: int | None = None) -> dict[str, Any]:
-    msg: dict[str, Any] = {
-        "type": ServerType.ERROR.value,
-        "code": code.value,
-        "message": ERROR_MESSAGES[code],
-        "fatal": code in FATAL_ERRORS,
-    }
-    if field is not None:
-        msg["field"] = field if len(field) <= MAX_FIELD_ECHO_CHARS else field[: MAX_FIELD_ECHO_CHARS - 1] + "…"
-    if msg_id is not None:
-        msg["id"] = msg_id
-    if utterance_id is not None:
-        msg["utterance_id"] = utterance_id
-    if retry_after_ms is not None:
-        msg["retry_after_ms"] = max(0, int(retry_after_ms))
-    return msg
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ErrorMessage:
+    """``error``. ``message`` and ``fatal`` are not arguments: they come from ``ERRORS`` (a client
+    never sees exception text); ``field`` is cut to ``MAX_FIELD_ECHO_CHARS``; ``retry_after_ms``
+    is a whole number of ms, at least 0."""
+
+    TYPE: ClassVar[ServerType] = ServerType.ERROR
+    code: ErrorCode
+    message: str = _derived()
+    fatal: bool = _derived()
+    field: str | None = _optional()
+    """The offending field (``invalid_field``)."""
+    id: MessageId | None = _optional()
+    utterance_id: int | None = _optional()
+    retry_after_ms: int | None = _optional()
+
+    def __post_init__(self) -> None:
+        spec = ERRORS[self.code]
+        object.__setattr__(self, "message", spec.message)
+        object.__setattr__(self, "fatal", spec.fatal)
+        f = self.field
+        if f is not None and len(f) > MAX_FIELD_ECHO_CHARS:
+            object.__setattr__(self, "field", f[: MAX_FIELD_ECHO_CHARS - 1] + "…")
+        if self.retry_after_ms is not None:
+            object.__setattr__(self, "retry_after_ms", max(0, int(self.retry_after_ms)))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pong:
+    """Reply to ``ping``."""
+
+    TYPE: ClassVar[ServerType] = ServerType.PONG
+    server_time_ms: float
+    id: MessageId | None = _optional()
+    t: float | None = _optional()
+    """The ping's ``t``, echoed."""
+
+
+ServerMessage: TypeAlias = (
+    SessionStarted | SegmentStarted | SegmentDone | UtteranceDone | Cancelled | ErrorMessage | Pong
+)
+"""A native server message (a JSON text frame once ``encode_server`` has made it bytes)."""
+
+#: The message class of every server type (tests/gateway/test_protocol.py keeps it complete).
+SERVER_MESSAGES: Final[dict[ServerType, type[ServerMessage]]] = {
+    cls.TYPE: cls
+    for cls in (SessionStarted, SegmentStarted, SegmentDone, UtteranceDone, Cancelled, ErrorMessage, Pong)
+}
+
+#: Per message class: its wire fields in order, and whether each is left off when None.
+_WIRE_FIELDS: Final[dict[type, tuple[tuple[str, bool], ...]]] = {
+    cls: tuple((f.name, bool(f.metadata.get(_OMIT_NONE))) for f in fields(cls))
+    for cls in SERVER_MESSAGES.values()
+}
+
+
+def encode_server(message: ServerMessage) -> bytes:
+    """THE encoder of server messages: ``{"type": ..., <fields in order>}`` as JSON (send it as a
+    TEXT frame: ``send(data, text=True)``); optional fields that are None are left out."""
+    obj: dict[str, Any] = {"type": message.TYPE.value}
+    for name, omit_none in _WIRE_FIELDS[type(message)]:
+        value = getattr(message, name)
+        if value is None and omit_none:
+            continue
+        obj[name] = value
+    return orjson.dumps(obj)
 
 
 def wire_constants() -> dict[str, Any]:

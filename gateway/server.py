@@ -126,8 +126,8 @@ class _Runner:
 @dataclass
 class _Out:
     data: bytes
-    message: dict[str, Any] | None
-    """The server message ``data`` encodes (None: ``data`` is an audio frame)."""
+    message: P.ServerMessage | None
+    """The server message ``data`` encodes (``P.encode_server``; None: ``data`` is an audio frame)."""
     ttfa: TtfaParts | None = None
     utterance_id: int = 0
 
@@ -533,7 +533,7 @@ class _Connection:
                 self.metrics.audio_sent.inc(a.samples / self.session.rate_hz)
                 self.metrics.frames_sent.inc()
             elif isinstance(a, SendMessage):
-                self._enqueue(_Out(P.encode(a.message), a.message))
+                self._enqueue(_Out(P.encode_server(a.message), a.message))
             elif isinstance(a, StartStream):
                 self._start_stream(a.request, a.first)
             elif isinstance(a, AbortStream):

@@ -98,7 +98,8 @@ class AbortStream:
 
 @dataclass(frozen=True)
 class SendMessage:
-    message: dict[str, Any]
+    message: P.ServerMessage
+    """A typed server message; the server encodes it (``protocol.encode_server``)."""
 
 
 @dataclass(frozen=True)
@@ -521,33 +522,25 @@ class Session:
         )
         self.started = True
         lim = st.limits
-        reply: dict[str, Any] = {
-            "type": P.ServerType.SESSION_STARTED.value,
-            "session_id": self.id,
-            "protocol": P.SUBPROTOCOL,
-            "engine": st.engine_name,
-            "sample_rate": self.rate_hz,
-            "format": self.format.value,
-            "channels": 1,
-            "frame_header_bytes": P.AUDIO_HEADER_BYTES,
-            "limits": {
-                "max_message_bytes": lim.max_message_bytes,
-                "max_utterance_chars": lim.max_utterance_chars,
-                "max_chars_per_s": lim.max_chars_per_s,
-                "max_messages_per_s": lim.max_messages_per_s,
-                "max_queued_utterances": lim.max_queued_utterances,
-                "idle_timeout_s": self._idle_timeout_s,
-                "flow_window_ms": lim.flow_window_ms,
-            },
-            "playback_report_interval_ms": st.playback_report_interval_ms,
-        }
-        if self._voice is not None:
-            reply["voice"] = self._voice
-        if self._language is not None:
-            reply["language"] = self._language
-        if msg.id is not None:
-            reply["id"] = msg.id
-        out.append(SendMessage(reply))
+        out.append(SendMessage(P.SessionStarted(
+            session_id=self.id,
+            engine=st.engine_name,
+            sample_rate=self.rate_hz,
+            format=self.format,
+            limits=P.SessionLimits(
+                max_message_bytes=lim.max_message_bytes,
+                max_utterance_chars=lim.max_utterance_chars,
+                max_chars_per_s=lim.max_chars_per_s,
+                max_messages_per_s=lim.max_messages_per_s,
+                max_queued_utterances=lim.max_queued_utterances,
+                idle_timeout_s=self._idle_timeout_s,
+                flow_window_ms=lim.flow_window_ms,
+            ),
+            playback_report_interval_ms=st.playback_report_interval_ms,
+            voice=self._voice,
+            language=self._language,
+            id=msg.id,
+        )))
         self.log.info("session started: %d Hz %s voice=%s", self.rate_hz, self.format.value, _voice_for_log(self._voice))
 
     def _open_utterance(self) -> _Utterance | None:
@@ -618,12 +611,7 @@ class Session:
             self._output_latency_ms = float(f["output_latency_ms"])
 
     def _on_ping(self, now_s: float, msg: P.ClientMessage, out: list[Action]) -> None:
-        reply: dict[str, Any] = {"type": P.ServerType.PONG.value, "server_time_ms": round(now_s * 1000.0, 3)}
-        if msg.id is not None:
-            reply["id"] = msg.id
-        if "t" in msg.fields:
-            reply["t"] = msg.fields["t"]
-        out.append(SendMessage(reply))
+        out.append(SendMessage(P.Pong(server_time_ms=round(now_s * 1000.0, 3), id=msg.id, t=msg.fields.get("t"))))
 
     def _on_cancel(self, now_s: float, msg: P.ClientMessage, out: list[Action]) -> None:
         if msg.fields.get("utterance_id") is not None:
@@ -642,28 +630,21 @@ class Session:
                 break
         if target is None and self._utterances:
             target = self._utterances[0]
-        reply: dict[str, Any] = {
-            "type": P.ServerType.CANCELLED.value,
-            "utterance_id": None,
-            "generated_ms": 0.0,
-            "sent_ms": 0.0,
-            "played_ms": 0.0,
-            "heard_text": "",
-            "cancelled_utterances": [u.id for u in self._utterances],
-        }
+        stopped = tuple(u.id for u in self._utterances)
+        reply = P.Cancelled(utterance_id=None, cancelled_utterances=stopped, id=msg.id)
         if target is not None:
             played = 0
             if target.session_start is not None:
                 played = max(0, min(pos - target.session_start, target.sent))
-            reply.update(
+            reply = P.Cancelled(
                 utterance_id=target.id,
                 generated_ms=self._ms(target.generated),
                 sent_ms=self._ms(target.sent),
                 played_ms=self._ms(played),
                 heard_text=self._heard_text(target, heard_pos),
+                cancelled_utterances=stopped,
+                id=msg.id,
             )
-        if msg.id is not None:
-            reply["id"] = msg.id
         dropped = (flow.sent - pos) + sum(s.held_samples for s in self._streams)
         if dropped > 0:
             self._obs.audio_dropped(dropped / self.rate_hz, "cancel")
@@ -672,7 +653,7 @@ class Session:
         for _ in self._utterances:
             self._obs.utterance_finished("cancelled")
         if self._utterances:
-            self.log.info("cancelled utterances %s", reply["cancelled_utterances"])
+            self.log.info("cancelled utterances %s", list(stopped))
         self._utterances.clear()
         out.append(SendMessage(reply))
 
@@ -681,12 +662,8 @@ class Session:
         dropped, its engine work aborted); the utterances after it go on."""
         flow = self._flow
         utt = next((u for u in self._utterances if u.id == uid), None)
-        reply: dict[str, Any] = {"type": P.ServerType.CANCELLED.value, "utterance_id": None, "generated_ms": 0.0,
-                                 "sent_ms": 0.0, "played_ms": 0.0, "heard_text": "", "cancelled_utterances": []}
-        if msg.id is not None:
-            reply["id"] = msg.id
         if utt is None:
-            out.append(SendMessage(reply))  # finished or unknown: nothing to stop
+            out.append(SendMessage(P.Cancelled(utterance_id=None, id=msg.id)))  # finished or unknown: nothing to stop
             return
         given = msg.fields.get("played_samples")
         client_played = flow.client_played(now_s) if given is None else int(given)
@@ -699,9 +676,10 @@ class Session:
                 flow.on_cancel(now_s, client_played)  # the playhead is in it: all sent past it is its
             else:
                 flow.discard_ahead(now_s, utt.sent)  # an earlier utterance still plays
-        reply.update(utterance_id=utt.id, generated_ms=self._ms(utt.generated), sent_ms=self._ms(utt.sent),
-                     played_ms=self._ms(played), cancelled_utterances=[utt.id],
-                     heard_text=self._heard_text(utt, pos - int(self._output_latency_ms * self.rate_hz / 1000.0)))
+        reply = P.Cancelled(utterance_id=utt.id, generated_ms=self._ms(utt.generated), sent_ms=self._ms(utt.sent),
+                            played_ms=self._ms(played), cancelled_utterances=(utt.id,),
+                            heard_text=self._heard_text(utt, pos - int(self._output_latency_ms * self.rate_hz / 1000.0)),
+                            id=msg.id)
         dropped = max(0, utt.sent - played)
         for s in [s for s in self._streams if s.utt is utt]:
             dropped += s.held_samples
@@ -837,30 +815,27 @@ class Session:
         s.seg.announced = True
         s.seg.session_start = self._flow.sent
         s.seg.utt_offset = s.utt.sent
-        out.append(SendMessage({
-            "type": P.ServerType.SEGMENT_STARTED.value,
-            "utterance_id": s.utt.id,
-            "segment": s.seg.index,
-            "text": s.seg.text,
-            "sample_offset": s.utt.sent,
-            "start_char": s.seg.start_char,
-            "end_char": s.seg.end_char,
-        }))
+        out.append(SendMessage(P.SegmentStarted(
+            utterance_id=s.utt.id,
+            segment=s.seg.index,
+            text=s.seg.text,
+            sample_offset=s.utt.sent,
+            start_char=s.seg.start_char,
+            end_char=s.seg.end_char,
+        )))
 
     def _retire(self, now_s: float, s: _Stream, out: list[Action]) -> None:
         if not s.seg.announced:
             self._announce(s, out)
         offset_ms = s.seg.utt_offset * 1000.0 / self.rate_hz
         words = word_timings(s.seg.text, s.seg.sent * 1000.0 / self.rate_hz)
-        out.append(SendMessage({
-            "type": P.ServerType.SEGMENT_DONE.value,
-            "utterance_id": s.utt.id,
-            "segment": s.seg.index,
-            "samples": s.seg.sent,
-            "words": [{"word": w, "start_ms": round(offset_ms + a, 1), "end_ms": round(offset_ms + b, 1)}
-                      for w, a, b in words],
-            "word_timing": "estimate",
-        }))
+        out.append(SendMessage(P.SegmentDone(
+            utterance_id=s.utt.id,
+            segment=s.seg.index,
+            samples=s.seg.sent,
+            words=tuple(P.Word(word=w, start_ms=round(offset_ms + a, 1), end_ms=round(offset_ms + b, 1))
+                        for w, a, b in words),
+        )))
         self._streams.popleft()
         self._by_id.pop(s.request_id, None)
         self._last_activity_s = max(self._last_activity_s, now_s)
@@ -871,20 +846,12 @@ class Session:
             if not u.input_done or any(s.utt is u for s in self._streams):
                 return
             status = P.UtteranceStatus.OK if u.failed is None else P.UtteranceStatus.ERROR
-            msg: dict[str, Any] = {
-                "type": P.ServerType.UTTERANCE_DONE.value,
-                "utterance_id": u.id,
-                "status": status.value,
-                "samples": u.sent,
-                "duration_ms": self._ms(u.sent),
-                "segments": len(u.segments),
-            }
-            if u.failed is not None:
-                msg["error"] = u.failed.value
+            msg = P.UtteranceDone(utterance_id=u.id, status=status, samples=u.sent, duration_ms=self._ms(u.sent),
+                                  segments=len(u.segments), error=u.failed)
             out.append(SendMessage(msg))
             self._obs.utterance_finished(status.value)
             self.log.info("utterance %d %s: %d segments, %.0f ms audio", u.id, status.value, len(u.segments),
-                          msg["duration_ms"], extra={"utterance": u.id})
+                          msg.duration_ms, extra={"utterance": u.id})
             self._utterances.popleft()
             self._history.append(u)
             self._last_activity_s = max(self._last_activity_s, now_s)
@@ -928,11 +895,11 @@ class Session:
         out.append(Close(code, reason))
 
     def _error(self, out: list[Action], code: P.ErrorCode, *, field: str | None = None,
-               msg_id: P.JsonScalar = None, utterance_id: int | None = None,
+               msg_id: P.MessageId | None = None, utterance_id: int | None = None,
                retry_after_ms: int | None = None) -> None:
         self._obs.error(code)
-        out.append(SendMessage(P.error_message(code, field=field, msg_id=msg_id, utterance_id=utterance_id,
-                                               retry_after_ms=retry_after_ms)))
+        out.append(SendMessage(P.ErrorMessage(code=code, field=field, id=msg_id, utterance_id=utterance_id,
+                                              retry_after_ms=retry_after_ms)))
 
     def _ms(self, samples: int) -> float:
         return round(samples * 1000.0 / self.rate_hz, 1)

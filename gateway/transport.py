@@ -5,8 +5,9 @@ what it runs over: a native WebSocket (``NativeTransport``), a dialect's WebSock
 
 Client messages come in as text or binary frames, or -- from a dialect's translator -- as the
 native message objects themselves (no JSON round trip; the session validates them the same way).
-Server messages go out as the object and its encoding (``gateway.protocol.encode``), so a native
-transport sends the bytes and a dialect translates the object.
+Server messages go out as the typed message (``gateway.protocol.ServerMessage``) and its encoding
+(``gateway.protocol.encode_server``, the one encoder), so a native transport sends the bytes and a
+dialect translates the typed message (never parsing the JSON back).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from websockets.protocol import State
+
+from gateway import protocol as P
 
 if TYPE_CHECKING:
     from websockets.asyncio.server import ServerConnection
@@ -37,8 +40,8 @@ class Transport(Protocol):
 
     def __aiter__(self) -> AsyncIterator[ClientItem]: ...
 
-    async def send_message(self, message: dict[str, Any], encoded: bytes) -> None:
-        """A native server message (``encoded`` is ``protocol.encode(message)``)."""
+    async def send_message(self, message: P.ServerMessage, encoded: bytes) -> None:
+        """A native server message (``encoded`` is ``protocol.encode_server(message)``)."""
         ...
 
     async def send_audio(self, frame: bytes) -> None:
@@ -77,7 +80,7 @@ class NativeTransport:
     def __aiter__(self) -> AsyncIterator[ClientItem]:
         return self.ws.__aiter__()
 
-    async def send_message(self, message: dict[str, Any], encoded: bytes) -> None:
+    async def send_message(self, message: P.ServerMessage, encoded: bytes) -> None:
         await self.ws.send(encoded, text=True)
 
     async def send_audio(self, frame: bytes) -> None:

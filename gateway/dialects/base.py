@@ -2,7 +2,8 @@
 
 A dialect translator sits between a dialect's client and one native session (protocol v1,
 ``gateway/session.py``). It never touches sockets: it turns client frames into native client
-messages, and the session's messages and audio into the dialect's frames (``Step``).
+messages, and the session's typed messages (``protocol.ServerMessage``: no JSON in between) and
+audio into the dialect's frames (``Step``).
 ``gateway/dialects/socket.py`` carries the steps out.
 
 ``Turns`` answers the question every dialect asks: "the client marked the end of its text here:
@@ -86,7 +87,7 @@ class Translator(Protocol):
 
     def on_client(self, data: str | bytes) -> Step: ...
 
-    def on_server_message(self, msg: dict[str, Any]) -> Step: ...
+    def on_server_message(self, msg: P.ServerMessage) -> Step: ...
 
     def on_server_audio(self, header: P.AudioFrameHeader, pcm16: bytes) -> Step: ...
 
@@ -167,12 +168,11 @@ class Turns:
         self._pending = deque(b for b in self._pending if not b.cancelled)
         self._barriers = {k: b for k, b in self._barriers.items() if not b.cancelled}
 
-    def on_server_message(self, msg: dict[str, Any]) -> list[tuple[Any, str]]:
+    def on_server_message(self, msg: P.ServerMessage) -> list[tuple[Any, str]]:
         """Feed every session message; returns ``(tag, status)`` of boundaries now complete, in
         order (status ``ok``, ``error`` or ``empty``)."""
-        mtype = msg.get("type")
-        mid = msg.get("id")
-        if mtype == P.ServerType.ERROR.value and isinstance(mid, str):
+        if isinstance(msg, P.ErrorMessage) and isinstance(msg.id, str):
+            mid = msg.id
             if mid in self._current:
                 self._refused.add(mid)
             else:
@@ -180,13 +180,13 @@ class Turns:
                     if mid in b.delta_ids:
                         b.refused.add(mid)
                         break
-        elif mtype == P.ServerType.PONG.value and isinstance(mid, str) and mid in self._barriers:
-            self._barriers.pop(mid).ponged = True
-        elif mtype == P.ServerType.UTTERANCE_DONE.value:
+        elif isinstance(msg, P.Pong) and isinstance(msg.id, str) and msg.id in self._barriers:
+            self._barriers.pop(msg.id).ponged = True
+        elif isinstance(msg, P.UtteranceDone):
             for b in self._pending:
                 if not b.cancelled and not b.done and (not b.ponged or b.opened):
                     b.done = True
-                    b.status = str(msg.get("status", "ok"))
+                    b.status = msg.status.value
                     break
         out: list[tuple[Any, str]] = []
         while self._pending and self._pending[0].complete and not self._pending[0].cancelled:
@@ -237,8 +237,8 @@ class Alignment:
     def add_text(self, text: str) -> None:
         self.text += text
 
-    def started(self, msg: dict[str, Any]) -> None:
-        self._span = (int(msg.get("start_char", 0)), int(msg.get("end_char", 0)))
+    def started(self, msg: P.SegmentStarted) -> None:
+        self._span = (msg.start_char, msg.end_char)
 
     def done_ms(self, samples: int, rate_hz: int) -> tuple[list[str], list[float], list[float], int] | None:
         """(chars, start_ms, duration_ms, how many leading chars are the gap) of the segment just

@@ -156,20 +156,18 @@ class DeepgramTranslator:
         data = self.encoder.encode(pcm16)
         return Step(to_client=[data] if data else [], delivered_samples=n)
 
-    def on_server_message(self, msg: dict[str, Any]) -> Step:
+    def on_server_message(self, msg: P.ServerMessage) -> Step:
         step = Step()
-        mtype = msg.get("type")
-        if mtype == P.ServerType.CANCELLED.value:
+        if isinstance(msg, P.Cancelled):
             self.discarding = False
             self.encoder.reset()
             self.turns.on_cancelled()
             step.to_client.append(_json({"type": "Cleared", "sequence_id": self.cleared_seq}))
             self.cleared_seq += 1
-        elif mtype == P.ServerType.ERROR.value and not _is_own_refusal(msg):
-            step.to_client.append(_warning(str(msg.get("code", "error")).upper(), str(msg.get("message", ""))))
-        elif mtype == P.ServerType.ERROR.value:
-            step.to_client.append(_warning(str(msg.get("code", "error")).upper(),
-                                           f"{msg.get('message', '')} (Speak dropped)"))
+        elif isinstance(msg, P.ErrorMessage) and not _is_own_refusal(msg):
+            step.to_client.append(_warning(msg.code.value.upper(), msg.message))
+        elif isinstance(msg, P.ErrorMessage):
+            step.to_client.append(_warning(msg.code.value.upper(), f"{msg.message} (Speak dropped)"))
         for tag, _status in self.turns.on_server_message(msg):
             tail = self.encoder.flush()
             if tail:
@@ -183,5 +181,6 @@ class DeepgramTranslator:
         return Step(close=(code, reason))
 
 
-def _is_own_refusal(msg: dict[str, Any]) -> bool:
-    return isinstance(msg.get("id"), str)
+def _is_own_refusal(msg: P.ErrorMessage) -> bool:
+    """A refused ``text.delta`` of ours (``Turns`` gives every delta a string id)."""
+    return isinstance(msg.id, str)

@@ -226,16 +226,15 @@ class ElevenLabsTranslator:
         return _json({"audio": base64.b64encode(data).decode(), "isFinal": False,
                       "normalizedAlignment": None, "alignment": None})
 
-    def on_server_message(self, msg: dict[str, Any]) -> Step:
+    def on_server_message(self, msg: P.ServerMessage) -> Step:
         step = Step()
-        mtype = msg.get("type")
-        if mtype == P.ServerType.SEGMENT_STARTED.value:
+        if isinstance(msg, P.SegmentStarted):
             self.alignment.started(msg)
-        elif mtype == P.ServerType.SEGMENT_DONE.value:
+        elif isinstance(msg, P.SegmentDone):
             step.to_client += _alignment_message(self.alignment, self.encoder, msg, None)
-        if mtype == P.ServerType.ERROR.value:
-            step.to_client.append(error_frame(str(msg.get("code", "error")), str(msg.get("message", "")),
-                                              P.CloseCode.INTERNAL_ERROR if msg.get("fatal") else P.CloseCode.POLICY_VIOLATION))
+        elif isinstance(msg, P.ErrorMessage):
+            step.to_client.append(error_frame(msg.code.value, msg.message,
+                                              P.CloseCode.INTERNAL_ERROR if msg.fatal else P.CloseCode.POLICY_VIOLATION))
         for tag, _status in self.turns.on_server_message(msg):
             tail = self.encoder.flush()
             if tail:
@@ -251,11 +250,11 @@ class ElevenLabsTranslator:
         return Step(close=(code, reason))
 
 
-def _alignment_message(al: Alignment, encoder: Encoder, msg: dict[str, Any], cid: str | None) -> list[str]:
+def _alignment_message(al: Alignment, encoder: Encoder, msg: P.SegmentDone, cid: str | None) -> list[str]:
     """``segment.done`` -> one message with the segment's character alignment (``audio: null``):
     times in ms from the segment's start, ElevenLabs' "from the start of this message's audio",
     the segment being the span that the message times."""
-    got = al.done(int(msg.get("samples", 0)), encoder.fmt.session_rate_hz)
+    got = al.done(msg.samples, encoder.fmt.session_rate_hz)
     if got is None or not got[0]:
         return []
     a = {"chars": got[0], "charStartTimesMs": got[1], "charDurationsMs": got[2]}
@@ -478,30 +477,29 @@ class ElevenLabsMultiTranslator:
         data = ctx.encoder.encode(pcm16)
         return Step(to_client=[self._audio(ctx.cid, data)] if data else [], delivered_samples=n)
 
-    def on_server_message(self, msg: dict[str, Any]) -> Step:
-        mtype = msg.get("type")
+    def on_server_message(self, msg: P.ServerMessage) -> Step:
         step = Step()
-        if mtype in (P.ServerType.SEGMENT_STARTED.value, P.ServerType.SEGMENT_DONE.value):
-            ctx = self.by_uid.get(int(msg.get("utterance_id", 0)))
+        if isinstance(msg, P.SegmentStarted | P.SegmentDone):
+            ctx = self.by_uid.get(msg.utterance_id)
             if ctx is not None and not ctx.barged:
-                if mtype == P.ServerType.SEGMENT_STARTED.value:
+                if isinstance(msg, P.SegmentStarted):
                     ctx.alignment.started(msg)
                 else:
                     step.to_client += _alignment_message(ctx.alignment, ctx.encoder, msg, ctx.cid)
-        elif mtype == P.ServerType.UTTERANCE_DONE.value:
-            ctx = self.by_uid.get(int(msg.get("utterance_id", 0)))
+        elif isinstance(msg, P.UtteranceDone):
+            ctx = self.by_uid.get(msg.utterance_id)
             if ctx is not None:
                 ctx.done = True
                 step.extend(self._maybe_final(ctx))
-        elif mtype == P.ServerType.CANCELLED.value:
-            mid = msg.get("id")
+        elif isinstance(msg, P.Cancelled):
+            mid = msg.id
             if isinstance(mid, str) and mid.startswith("close:") and mid[6:].isdigit():
                 ctx = self.by_n.get(int(mid[6:]))
                 if ctx is not None:
                     ctx.done = True
                     step.extend(self._maybe_final(ctx))
-        elif mtype == P.ServerType.ERROR.value:
-            mid = msg.get("id")
+        elif isinstance(msg, P.ErrorMessage):
+            mid = msg.id
             ctx = None
             if isinstance(mid, str) and mid.startswith("open:") and mid[5:].isdigit():
                 ctx = self.by_n.get(int(mid[5:]))
@@ -510,11 +508,10 @@ class ElevenLabsMultiTranslator:
                     self.uids -= 1
                     ctx.uid = None
                     ctx.done = ctx.ended
-            elif msg.get("utterance_id") is not None:
-                ctx = self.by_uid.get(int(msg["utterance_id"]))
-            step.to_client.append(self._error(str(msg.get("code", "error")), str(msg.get("message", "")),
-                                              ctx.cid if ctx is not None else None))
-            if msg.get("fatal"):
+            elif msg.utterance_id is not None:
+                ctx = self.by_uid.get(msg.utterance_id)
+            step.to_client.append(self._error(msg.code.value, msg.message, ctx.cid if ctx is not None else None))
+            if msg.fatal:
                 step.close = (P.CloseCode.INTERNAL_ERROR, "")
             if ctx is not None:
                 step.extend(self._maybe_final(ctx))

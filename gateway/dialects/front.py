@@ -432,7 +432,7 @@ class HttpExchange:
         else:
             self._lost_early = True
 
-    async def send_message(self, message: dict[str, Any], encoded: bytes) -> None:
+    async def send_message(self, message: P.ServerMessage, encoded: bytes) -> None:
         await self._emit(self.responder.on_server_message(message))
 
     async def send_audio(self, frame: bytes) -> None:

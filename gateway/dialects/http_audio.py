@@ -294,13 +294,12 @@ class AudioResponder:
             k = j
         return out
 
-    def on_server_message(self, msg: dict[str, Any]) -> list[HttpOut]:
+    def on_server_message(self, msg: P.ServerMessage) -> list[HttpOut]:
         if self.finished:
             return []
-        mtype = msg.get("type")
-        if mtype == P.ServerType.UTTERANCE_DONE.value:
-            if msg.get("status") != P.UtteranceStatus.OK.value:
-                return self._fail_code(str(msg.get("error", "engine_error")))
+        if isinstance(msg, P.UtteranceDone):
+            if msg.status is not P.UtteranceStatus.OK:
+                return self._fail_code(msg.error or P.ErrorCode.ENGINE_ERROR)
             out = self._head()
             tail = self.encoder.flush()
             if self.req.timestamps:
@@ -323,13 +322,13 @@ class AudioResponder:
             self.finished = True
             out.append(End())
             return out
-        if self.req.timestamps and mtype == P.ServerType.SEGMENT_STARTED.value:
+        if self.req.timestamps and isinstance(msg, P.SegmentStarted):
             self._alignment_of.started(msg)
             return []
-        if self.req.timestamps and mtype == P.ServerType.SEGMENT_DONE.value:
-            return self._segment_done(int(msg.get("samples", 0)))
-        if mtype == P.ServerType.ERROR.value and (msg.get("fatal") or "utterance_id" not in msg):
-            return self._fail_code(str(msg.get("code", "internal_error")))
+        if self.req.timestamps and isinstance(msg, P.SegmentDone):
+            return self._segment_done(msg.samples)
+        if isinstance(msg, P.ErrorMessage) and (msg.fatal or msg.utterance_id is None):
+            return self._fail_code(msg.code)
         return []
 
     def on_server_close(self, code: int, reason: str) -> list[HttpOut]:
@@ -339,9 +338,9 @@ class AudioResponder:
         return self._fail(self.req.error(status, ecode, reason or "the request was stopped",
                                          request_id=self.req.request_id))
 
-    def _fail_code(self, code: str) -> list[HttpOut]:
-        c, spec = P.error_spec(code)
-        return self._fail(self.req.error(spec.http_status, c.value, spec.message, request_id=self.req.request_id))
+    def _fail_code(self, code: P.ErrorCode) -> list[HttpOut]:
+        spec = P.ERRORS[code]
+        return self._fail(self.req.error(spec.http_status, code.value, spec.message, request_id=self.req.request_id))
 
     def _fail(self, err: VendorError) -> list[HttpOut]:
         self.finished = True

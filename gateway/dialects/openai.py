@@ -170,10 +170,10 @@ def _openai_type(status: int) -> str:
     return "rate_limit_error" if status == 429 else "server_error" if status >= 500 else "invalid_request_error"
 
 
-def error_for_code(code: str) -> ApiError:
-    c, spec = P.error_spec(code)
+def error_for_code(code: P.ErrorCode) -> ApiError:
+    spec = P.ERRORS[code]
     retry = (("Retry-After", "1"),) if spec.http_status in (429, 503) else ()
-    return ApiError(spec.http_status, spec.message, _openai_type(spec.http_status), None, c.value, retry)
+    return ApiError(spec.http_status, spec.message, _openai_type(spec.http_status), None, code.value, retry)
 
 
 def error_outputs(err: ApiError) -> list[HttpOut]:
@@ -223,13 +223,12 @@ class SpeechResponder:
             out.append(Body(self._event_audio(data) if self.sse else data))
         return out
 
-    def on_server_message(self, msg: dict[str, Any]) -> list[HttpOut]:
+    def on_server_message(self, msg: P.ServerMessage) -> list[HttpOut]:
         if self.finished:
             return []
-        mtype = msg.get("type")
-        if mtype == P.ServerType.UTTERANCE_DONE.value:
-            if msg.get("status") != P.UtteranceStatus.OK.value:
-                return self._fail(error_for_code(str(msg.get("error", "engine_error"))))
+        if isinstance(msg, P.UtteranceDone):
+            if msg.status is not P.UtteranceStatus.OK:
+                return self._fail(error_for_code(msg.error or P.ErrorCode.ENGINE_ERROR))
             out = self._head()
             tail = self.encoder.flush()
             if tail:
@@ -243,8 +242,8 @@ class SpeechResponder:
             self.finished = True
             out.append(End())
             return out
-        if mtype == P.ServerType.ERROR.value and (msg.get("fatal") or "utterance_id" not in msg):
-            return self._fail(error_for_code(str(msg.get("code", "internal_error"))))
+        if isinstance(msg, P.ErrorMessage) and (msg.fatal or msg.utterance_id is None):
+            return self._fail(error_for_code(msg.code))
         return []  # session.started, segment.*, non-fatal errors about the utterance (done follows)
 
     def on_server_close(self, code: int, reason: str) -> list[HttpOut]:

@@ -174,7 +174,7 @@ class DialectSocket(NativeTransport):
             return False
         return True
 
-    async def send_message(self, message: dict[str, Any], encoded: bytes) -> None:
+    async def send_message(self, message: P.ServerMessage, encoded: bytes) -> None:
         await self._carry(self.translator.on_server_message(message))
 
     async def send_audio(self, frame: bytes) -> None:

@@ -21,6 +21,15 @@ def _ids(msgs: list[dict]) -> list[str]:
     return [m["id"] for m in msgs if "id" in m]
 
 
+def _pong(mid: str) -> P.Pong:
+    return P.Pong(server_time_ms=0.0, id=mid)
+
+
+def _done(status: str, error: P.ErrorCode | None = None, uid: int = 1) -> P.UtteranceDone:
+    return P.UtteranceDone(utterance_id=uid, status=P.UtteranceStatus(status), samples=0, duration_ms=0.0,
+                           segments=0, error=error)
+
+
 def test_turns_complete_in_order_after_audio_or_pong():
     t = Turns()
     d1 = t.delta("Hello there.")
@@ -33,10 +42,10 @@ def test_turns_complete_in_order_after_audio_or_pong():
     b3 = t.boundary("three")
     # pongs arrive first (replies come in order, audio takes longer)
     for b in (b1, b2, b3):
-        assert t.on_server_message({"type": "pong", "id": b[1]["id"]}) == []
+        assert t.on_server_message(_pong(b[1]["id"])) == []
     # utterance 1 done -> "one", and "empty" right behind it
-    assert t.on_server_message({"type": "utterance.done", "status": "ok"}) == [("one", "ok"), ("empty", "empty")]
-    assert t.on_server_message({"type": "utterance.done", "status": "error"}) == [("three", "error")]
+    assert t.on_server_message(_done("ok")) == [("one", "ok"), ("empty", "empty")]
+    assert t.on_server_message(_done("error", P.ErrorCode.ENGINE_ERROR)) == [("three", "error")]
     assert t.pending == 0
 
 
@@ -45,28 +54,28 @@ def test_turns_done_before_pong_and_refused_text():
     d = t.delta("Hi.")
     b = t.boundary("a")
     # the utterance was already sent when text.end arrived: done precedes the pong
-    assert t.on_server_message({"type": "utterance.done", "status": "ok"}) == []
-    assert t.on_server_message({"type": "pong", "id": b[1]["id"]}) == [("a", "ok")]
+    assert t.on_server_message(_done("ok")) == []
+    assert t.on_server_message(_pong(b[1]["id"])) == [("a", "ok")]
     # every delta refused: no utterance, complete at the pong
     d = t.delta("x" * 10)
-    assert t.on_server_message({"type": "error", "code": "rate_limited", "id": _ids(d)[0]}) == []
+    assert t.on_server_message(P.ErrorMessage(code=P.ErrorCode.RATE_LIMITED, id=_ids(d)[0])) == []
     b = t.boundary("refused")
-    assert t.on_server_message({"type": "pong", "id": b[1]["id"]}) == [("refused", "empty")]
+    assert t.on_server_message(_pong(b[1]["id"])) == [("refused", "empty")]
 
 
 def test_turns_cancel_drops_boundaries_until_cancelled():
     t = Turns()
     t.delta("One.")
     b1 = t.boundary("one")
-    t.on_server_message({"type": "pong", "id": b1[1]["id"]})
+    t.on_server_message(_pong(b1[1]["id"]))
     t.delta("open text")
     t.cancel_all()
     t.delta("After.")  # sent after the cancel: a new turn
     b2 = t.boundary("two")
-    assert t.on_server_message({"type": "cancelled"}) == []
+    assert t.on_server_message(P.Cancelled(utterance_id=None)) == []
     t.on_cancelled()
-    assert t.on_server_message({"type": "pong", "id": b2[1]["id"]}) == []
-    assert t.on_server_message({"type": "utterance.done", "status": "ok"}) == [("two", "ok")]
+    assert t.on_server_message(_pong(b2[1]["id"])) == []
+    assert t.on_server_message(_done("ok")) == [("two", "ok")]
 
 
 def test_alignment_covers_the_text_and_the_audio_segment_by_segment():
@@ -78,7 +87,8 @@ def test_alignment_covers_the_text_and_the_audio_segment_by_segment():
     assert [text[a:b] for a, b in spans] == ["Hello there.", "How are you?"]
     got = []
     for (a, b), samples in zip(spans, (24_000, 12_001), strict=True):
-        al.started({"start_char": a, "end_char": b})
+        al.started(P.SegmentStarted(utterance_id=1, segment=0, text=text[a:b], sample_offset=0, start_char=a,
+                                      end_char=b))
         chars, starts, durs = al.done(samples, 24_000)
         assert len(chars) == len(starts) == len(durs) and starts[0] == 0
         assert starts[-1] + durs[-1] == round(samples / 24)  # the span is the segment's audio
@@ -126,9 +136,9 @@ def test_openai_responder_errors_before_and_after_audio():
     body = openai.parse_body(b'{"model":"m","input":"Hi.","voice":"ash","response_format":"pcm"}',
                              max_input_chars=100)
     r = openai.SpeechResponder(body)
-    out = r.on_server_message(P.error_message(P.ErrorCode.ENGINE_OVERLOADED, utterance_id=1))
+    out = r.on_server_message(P.ErrorMessage(code=P.ErrorCode.ENGINE_OVERLOADED, utterance_id=1))
     assert out == []  # utterance.done carries the failure
-    out = r.on_server_message({"type": "utterance.done", "status": "error", "error": "engine_overloaded"})
+    out = r.on_server_message(_done("error", P.ErrorCode.ENGINE_OVERLOADED))
     assert isinstance(out[0], openai.Head) and out[0].status == 503
     r = openai.SpeechResponder(body)
     hdr = P.AudioFrameHeader(1, 0, 0, 0)

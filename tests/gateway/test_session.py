@@ -88,7 +88,9 @@ class Harness:
 
 
 def messages(acts: list[Action], mtype: str | None = None) -> list[dict[str, Any]]:
-    return [a.message for a in acts if isinstance(a, SendMessage) and (mtype is None or a.message["type"] == mtype)]
+    """The session's messages as the client receives them (through the one encoder)."""
+    return [orjson.loads(P.encode_server(a.message)) for a in acts
+            if isinstance(a, SendMessage) and (mtype is None or a.message.TYPE == mtype)]
 
 
 def starts(acts: list[Action]) -> list[StartStream]:
