@@ -4,6 +4,11 @@ Runs a ``SessionPlan`` (``plan.py``) against a voicegw server and records timest
 everything that matters into plain dicts (``SessionRecord``/``UtteranceRecord``, JSON-able), so
 worker processes can hand them back and ``metrics`` can aggregate them.
 
+The protocol is the product's Python client's (``clients.python.Client``: connect, session,
+``text.delta``/``text.end``, ``cancel``, ``playback`` reports, receiving); a session records
+through its recorder hook (``clients.python.recorder.ClientRecorder``) and plays the audio on
+its own simulated listener (``ClockedPlayout``, ``playback="none"``, no audio kept).
+
 Clock: ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for all processes of the machine), so
 times from different worker processes compare directly.
 """
@@ -19,11 +24,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-import orjson
 import websockets
-from websockets.asyncio.client import ClientConnection
 
+from clients.python.client import NO_RETRY, Client, Utterance, VoicegwError
 from clients.python.playout import ClockedPlayout
+from clients.python.recorder import ClientRecorder
 from gateway import protocol as P
 from loadtest.netguard import check_local_url
 from loadtest.plan import MAX_UTTERANCES_PER_SESSION, SessionPlan, UtterancePlan, tokenize
@@ -104,6 +109,7 @@ class SessionRecord:
     t_started: float | None = None
     connect_error: str | None = None
     close_code: int | None = None
+    """How the server ended the connection (1006: without a close frame); None while open."""
     close_reason: str = ""
     t_closed: float | None = None
     t_stop_reading: float | None = None
@@ -119,7 +125,10 @@ class SessionRecord:
         return asdict(self)
 
 
-class _Session:
+class _Session(ClientRecorder):
+    """One plan's session: drives a ``clients.python.Client`` and records what it receives
+    through the client's recorder hook (the callbacks below)."""
+
     def __init__(self, plan: SessionPlan, url: str, t0: float, hard_end: float) -> None:
         self.plan = plan
         self.url = check_local_url(url)
@@ -127,46 +136,46 @@ class _Session:
         self.hard_end = min(hard_end, t0 + plan.end_s)
         self.rec = SessionRecord(plan.session_id, plan.role, t0)
         self.jb = ClockedPlayout(plan.sample_rate_hz)
+        self.instant = plan.instant_playback
         self.rng = random.Random(plan.seed)
-        self.ws: ClientConnection | None = None
+        self.client: Client | None = None
         self.cur: UtteranceRecord | None = None
-        self.cur_plan: UtterancePlan | None = None
         self.finished = asyncio.Event()
         self.first_audio = asyncio.Event()
         self.reading = True
-        self.resume_reading = asyncio.Event()
-        self.ids_seen: set[int] = set()
         self.by_id: dict[int, UtteranceRecord] = {}
         self.sent_text = ""
         self.sent_marks: list[tuple[int, float]] = []
         """(cumulative chars sent, time) of the current utterance's deltas."""
         self.bytes_per_sample = 2
 
-    # ------------------------------------------------------------------------- receive
+    # ------------------------------------------------------------------------- receive (recorder hook)
 
-    def _utt_for(self, uid: int | None) -> UtteranceRecord | None:
+    def _utt_for(self, u: Utterance | None, uid: int | None) -> UtteranceRecord | None:
+        """The record of a server utterance id: known ids keep their record (late frames of a
+        cancelled answer); a new one the client attributes to its open utterance is the current
+        record's; no id at all means the current one."""
         if uid is None:
             return self.cur
-        if uid in self.by_id:
-            return self.by_id[uid]
+        rec = self.by_id.get(uid)
+        if rec is not None:
+            return rec
         cur = self.cur
-        if cur is not None and cur.utterance_id is None and cur.t_first_text is not None:
+        if u is not None and cur is not None and cur.utterance_id is None:
             cur.utterance_id = uid
             self.by_id[uid] = cur
             return cur
         return None
 
-    def _on_audio(self, data: bytes, now: float) -> None:
-        try:
-            header, payload = P.unpack_audio_frame(data)
-        except ValueError:
-            self.rec.bad_frames += 1
-            return
-        utt = self._utt_for(header.utterance_id)
-        samples = len(payload) // self.bytes_per_sample
+    def on_session_started(self, msg: dict[str, Any], t: float) -> None:
+        self.rec.t_started = t
+
+    def on_audio(self, u: Utterance | None, header: P.AudioFrameHeader, payload: bytes, now: float) -> None:
+        utt = self.by_id.get(header.utterance_id) or self._utt_for(u, header.utterance_id)
         if utt is None:
             self.rec.bad_frames += 1
             return
+        samples = len(payload) // self.bytes_per_sample
         if utt.t_cancel is not None:
             utt.frames_after_cancel += 1
             utt.t_last_audio_after_cancel = now
@@ -177,7 +186,9 @@ class _Session:
             utt.t_first_audio = now
             self.first_audio.set()
         utt.t_last_audio = now
-        seg = utt.segments.setdefault(header.segment, SegmentRecord(header.segment))
+        seg = utt.segments.get(header.segment)
+        if seg is None:
+            seg = utt.segments[header.segment] = SegmentRecord(header.segment)
         if seg.t_first_audio is None:
             seg.t_first_audio = now
             self.jb.advance(now)
@@ -186,57 +197,68 @@ class _Session:
             seg.gap_ms = 0.0 if open_ev is None else round((now - open_ev.start_s) * 1000.0, 1)
         seg.t_last_audio = now
         seg.samples += samples
-        if self.plan.instant_playback:
+        if self.instant:
             self.jb.play_at_once(samples)  # a consumer as fast as the wire (throughput runs)
         else:
             self.jb.push(now, samples)
 
-    def _on_json(self, msg: dict[str, Any], now: float) -> None:
-        mtype = msg.get("type")
+    @staticmethod
+    def _uid(msg: dict[str, Any]) -> int | None:
         uid = msg.get("utterance_id")
-        uid = uid if isinstance(uid, int) else None
-        if mtype == P.ServerType.SEGMENT_STARTED:
-            utt = self._utt_for(uid)
-            if utt is None:
-                return
-            idx = int(msg.get("segment", msg.get("index", len(utt.segments))))
+        return uid if isinstance(uid, int) else None
+
+    def on_segment_started(self, u: Utterance | None, msg: dict[str, Any], now: float) -> None:
+        utt = self._utt_for(u, self._uid(msg))
+        if utt is None:
+            return
+        idx = int(msg.get("segment", msg.get("index", len(utt.segments))))
+        seg = utt.segments.setdefault(idx, SegmentRecord(idx))
+        seg.t_started = now
+        seg.info = {k: v for k, v in msg.items() if k not in ("type",)}
+        end = self._segment_text_end(msg)
+        if end is not None:
+            seg.text_chars = end
+            seg.t_text_complete = self._sent_time_of_char(end)
+            if idx == 0 and utt.t_first_segment_text is None:
+                utt.t_first_segment_text = seg.t_text_complete
+
+    def on_segment_done(self, u: Utterance | None, msg: dict[str, Any], now: float) -> None:
+        utt = self._utt_for(u, self._uid(msg))
+        if utt is not None:
+            idx = int(msg.get("segment", msg.get("index", -1)))
             seg = utt.segments.setdefault(idx, SegmentRecord(idx))
-            seg.t_started = now
-            seg.info = {k: v for k, v in msg.items() if k not in ("type",)}
-            end = self._segment_text_end(msg)
-            if end is not None:
-                seg.text_chars = end
-                seg.t_text_complete = self._sent_time_of_char(end)
-                if idx == 0 and utt.t_first_segment_text is None:
-                    utt.t_first_segment_text = seg.t_text_complete
-        elif mtype == P.ServerType.SEGMENT_DONE:
-            utt = self._utt_for(uid)
-            if utt is not None:
-                idx = int(msg.get("segment", msg.get("index", -1)))
-                seg = utt.segments.setdefault(idx, SegmentRecord(idx))
-                seg.t_done = now
-        elif mtype == P.ServerType.UTTERANCE_DONE:
-            utt = self._utt_for(uid)
-            if utt is not None:
-                utt.t_done = now
-                utt.done = {k: v for k, v in msg.items() if k != "type"}
-                if msg.get("status") not in (None, "ok") and utt.error is None:
-                    utt.error = str(msg.get("status"))
-                self.jb.end_of_audio(now)
-                self.finished.set()
-        elif mtype == P.ServerType.CANCELLED:
-            utt = self._utt_for(uid) or self.cur
-            if utt is not None:
-                utt.t_cancelled = now
-                self.finished.set()
-        elif mtype == P.ServerType.ERROR:
-            code = str(msg.get("code"))
-            self.rec.errors.append(code)
-            utt = self._utt_for(uid) if uid is not None else self.cur
-            if utt is not None and utt.error is None and code not in ("rate_limited",):
-                utt.error = code
-                self.jb.end_of_audio(now)
-                self.finished.set()
+            seg.t_done = now
+
+    def on_utterance_done(self, u: Utterance | None, msg: dict[str, Any], now: float) -> None:
+        utt = self._utt_for(u, self._uid(msg))
+        if utt is not None:
+            utt.t_done = now
+            utt.done = {k: v for k, v in msg.items() if k != "type"}
+            if msg.get("status") not in (None, "ok") and utt.error is None:
+                utt.error = str(msg.get("status"))
+            self.jb.end_of_audio(now)
+            self.finished.set()
+
+    def on_cancelled(self, u: Utterance | None, msg: dict[str, Any], now: float) -> None:
+        utt = self._utt_for(u, self._uid(msg)) or self.cur
+        if utt is not None:
+            utt.t_cancelled = now
+            self.finished.set()
+
+    def on_error(self, u: Utterance | None, msg: dict[str, Any], now: float) -> None:
+        code = str(msg.get("code"))
+        self.rec.errors.append(code)
+        utt = self._utt_for(u, self._uid(msg))
+        if utt is not None and utt.error is None and code not in ("rate_limited",):
+            utt.error = code
+            self.jb.end_of_audio(now)
+            self.finished.set()
+
+    def on_closed(self, code: int | None, reason: str, now: float) -> None:
+        self.rec.close_code = code
+        self.rec.close_reason = reason
+        self.rec.t_closed = now
+        self.finished.set()
 
     def _segment_text_end(self, msg: dict[str, Any]) -> int | None:
         """End (exclusive, in characters of the text sent so far) of a segment's text: from an
@@ -264,44 +286,7 @@ class _Session:
                 return t
         return self.sent_marks[-1][1] if self.sent_marks else None
 
-    async def _reader(self) -> None:
-        assert self.ws is not None
-        ws = self.ws
-        try:
-            while True:
-                if not self.reading:
-                    await self._stalled(ws)
-                    return
-                data = await ws.recv()
-                now = time.monotonic()
-                if isinstance(data, bytes):
-                    self._on_audio(data, now)
-                else:
-                    try:
-                        msg = orjson.loads(data)
-                    except orjson.JSONDecodeError:
-                        self.rec.errors.append("bad_json")
-                        continue
-                    if isinstance(msg, dict):
-                        self._on_json(msg, now)
-        except websockets.ConnectionClosed as exc:
-            rcvd = exc.rcvd
-            if rcvd is not None:
-                self.rec.close_code = rcvd.code
-                self.rec.close_reason = rcvd.reason
-            self.rec.t_closed = time.monotonic()
-            self.finished.set()
-
-    async def _stalled(self, ws: ClientConnection) -> None:
-        """Slow reader: never read again; notice when the server gives up on us."""
-        await ws.wait_closed()
-        self.rec.t_closed = time.monotonic()
-        self.rec.close_code = ws.close_code
-        self.rec.close_reason = ws.close_reason or ""
-        self.finished.set()
-
-    async def _reporter(self) -> None:
-        assert self.ws is not None
+    async def _reporter(self, client: Client) -> None:
         while True:
             await asyncio.sleep(REPORT_PERIOD_S)
             now = time.monotonic()
@@ -310,18 +295,7 @@ class _Session:
                 self.rec.levels.append((round(now - self.t0, 4), round(self.jb.buffered_ms, 1)))
             if not self.reading:
                 continue  # a stalled client sends nothing either
-            await self._send(
-                {
-                    "type": P.ClientType.PLAYBACK.value,
-                    "played_samples": self.jb.played_samples,
-                    "buffered_ms": round(self.jb.buffered_ms, 1),
-                    "underruns": self.jb.underrun_count,
-                }
-            )
-
-    async def _send(self, msg: dict[str, Any]) -> None:
-        assert self.ws is not None
-        await self.ws.send(orjson.dumps(msg).decode())
+            await client.send_playback(self.jb.played_samples, self.jb.buffered_ms, self.jb.underrun_count)
 
     # ------------------------------------------------------------------------- drive
 
@@ -335,16 +309,22 @@ class _Session:
         except TimeoutError:
             if self.cur is not None and self.cur.t_done is None and not self.cur.timed_out:
                 self.cur.cut = True
-        except (OSError, websockets.InvalidHandshake, websockets.InvalidURI) as exc:
+        except VoicegwError as exc:
+            if exc.code == "handshake_failed":
+                self.rec.connect_error = f"{type(exc).__name__}: {exc}"[:200]
+            elif exc.code == "closed" and self.rec.close_code is None and exc.detail.get("code") is not None:
+                self.rec.close_code = exc.detail["code"]
+                self.rec.close_reason = exc.detail.get("reason") or ""
+            # else: the gateway refused the session (its error code is in ``errors``) or never
+            # answered ``session.start``
+        except (OSError, ValueError, websockets.InvalidHandshake, websockets.InvalidURI) as exc:
             self.rec.connect_error = f"{type(exc).__name__}: {exc}"[:200]
-        except websockets.ConnectionClosed as exc:
-            if exc.rcvd is not None:
-                self.rec.close_code = exc.rcvd.code
-                self.rec.close_reason = exc.rcvd.reason
         finally:
-            if self.ws is not None:
+            if self.client is not None:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.ws.close(), 2.0)
+                    await asyncio.wait_for(self.client.close(), 2.0)
+                self.rec.bad_frames += self.client.bad_frames
+                self.rec.errors += ["bad_json"] * self.client.bad_messages
         end = time.monotonic()
         self.jb.advance(end)
         self.rec.underruns = [(u.start_s - self.t0, None if u.end_s is None else u.end_s - self.t0)
@@ -371,39 +351,26 @@ class _Session:
 
     async def _run_connected(self) -> None:
         plan = self.plan
-        sock = await self._small_buffer_socket() if plan.stop_reading_after_audio_s is not None else None
-        self.ws = await websockets.connect(
-            self.url,
-            sock=sock,
-            subprotocols=[P.SUBPROTOCOL],  # type: ignore[list-item]
-            compression=None,
-            open_timeout=10,
-            max_size=2**20,
-            max_queue=16,
-            ping_interval=None,
+        slow = plan.stop_reading_after_audio_s is not None
+        # no playback of its own ("none"), no audio kept (the recorder counts it), no retries or
+        # reconnects (the server is measured as it is), the load generator's socket settings
+        self.client = client = Client(
+            self.url, voice=plan.voice, sample_rate_hz=plan.sample_rate_hz,
+            options={"seed": plan.seed % (2**31 - 1)}, playback="none", max_queued_chunk_s=0,
+            open_timeout_s=10.0, retry=NO_RETRY, recorder=self,
+            connect_options={"max_size": 2**20, "max_queue": 16, "ping_interval": None},
+            socket_factory=self._small_buffer_socket if slow else None,
         )
-        start: dict[str, Any] = {"type": P.ClientType.SESSION_START.value, "sample_rate": plan.sample_rate_hz,
-                                 "format": "pcm16", "options": {"seed": plan.seed % (2**31 - 1)}}
-        if plan.voice is not None:
-            start["voice"] = plan.voice
-        await self._send(start)
-        reply = orjson.loads(await asyncio.wait_for(self.ws.recv(), 10.0))
-        if reply.get("type") != P.ServerType.SESSION_STARTED:
-            self.rec.errors.append(str(reply.get("code", reply.get("type"))))
-            return
-        self.rec.t_started = time.monotonic()
-        reader = asyncio.create_task(self._reader())
-        reporter = asyncio.create_task(self._reporter())
+        await client.connect()
+        reporter = asyncio.create_task(self._reporter(client))
         try:
-            await self._speak_all()
+            await self._speak_all(client)
         finally:
-            for task in (reporter, reader):
-                task.cancel()
-            for task in (reporter, reader):
-                with contextlib.suppress(BaseException):
-                    await task
+            reporter.cancel()
+            with contextlib.suppress(BaseException):
+                await reporter
 
-    async def _speak_all(self) -> None:
+    async def _speak_all(self, client: Client) -> None:
         plan = self.plan
         n = 0
         while n < MAX_UTTERANCES_PER_SESSION:
@@ -412,18 +379,18 @@ class _Session:
                     return
                 if up.think_s:
                     await asyncio.sleep(up.think_s)
-                ok = await self._speak(n, up)
+                ok = await self._speak(client, n, up)
                 n += 1
                 if not ok or self.rec.close_code is not None or self.rec.t_closed is not None:
                     return
             if plan.loop_until_s is None:
                 return
 
-    async def _speak(self, index: int, up: UtterancePlan) -> bool:
+    async def _speak(self, client: Client, index: int, up: UtterancePlan) -> bool:
         plan = self.plan
         utt = UtteranceRecord(index=index, chars=len(up.text))
         self.rec.utterances.append(utt)
-        self.cur, self.cur_plan = utt, up
+        self.cur = utt
         self.sent_marks = []
         self.sent_text = ""
         self.finished.clear()
@@ -431,15 +398,15 @@ class _Session:
         self.jb.begin_utterance(time.monotonic())
         aux: list[asyncio.Task[None]] = []
         if up.cancel_after_audio_s is not None:
-            aux.append(asyncio.create_task(self._cancel_later(utt, up.cancel_after_audio_s)))
+            aux.append(asyncio.create_task(self._cancel_later(client, utt, up.cancel_after_audio_s)))
         if plan.stop_reading_after_audio_s is not None:
-            aux.append(asyncio.create_task(self._stall_later(plan.stop_reading_after_audio_s)))
+            aux.append(asyncio.create_task(self._stall_later(client, plan.stop_reading_after_audio_s)))
         try:
             sent = 0
             for tok in tokenize(up.text, plan.token_chars, self.rng):
                 if utt.t_cancel is not None or self.finished.is_set():
                     break
-                await self._send({"type": P.ClientType.TEXT_DELTA.value, "text": tok})
+                await client.send_text(tok)
                 now = time.monotonic()
                 sent += len(tok)
                 self.sent_text += tok
@@ -448,7 +415,7 @@ class _Session:
                     utt.t_first_text = now
                 await asyncio.sleep(self.rng.uniform(0.5, 1.5) / plan.tokens_per_s)
             if utt.t_cancel is None and not self.finished.is_set():
-                await self._send({"type": P.ClientType.TEXT_END.value})
+                await client.end()
                 utt.t_text_end = time.monotonic()
             try:
                 await asyncio.wait_for(self.finished.wait(), UTTERANCE_TIMEOUT_S)
@@ -477,7 +444,7 @@ class _Session:
                 return
             await asyncio.sleep(min(0.5, drained - now + 0.001))
 
-    async def _cancel_later(self, utt: UtteranceRecord, after_s: float) -> None:
+    async def _cancel_later(self, client: Client, utt: UtteranceRecord, after_s: float) -> None:
         await self.first_audio.wait()
         await asyncio.sleep(after_s)
         if utt.t_done is not None or utt.error is not None:
@@ -485,12 +452,14 @@ class _Session:
         now = time.monotonic()
         self.jb.cancel(now)
         utt.t_cancel = now
-        await self._send({"type": P.ClientType.CANCEL.value, "played_samples": self.jb.played_samples})
+        with contextlib.suppress(VoicegwError):  # the reply is recorded (on_cancelled), not awaited here
+            await client.cancel(played_samples=self.jb.played_samples)
 
-    async def _stall_later(self, after_s: float) -> None:
+    async def _stall_later(self, client: Client, after_s: float) -> None:
         await self.first_audio.wait()
         await asyncio.sleep(after_s)
         self.reading = False
+        client.stop_reading()
         now = time.monotonic()
         self.rec.t_stop_reading = now
         self.jb.cancel(now)  # a stalled client plays nothing more: no underrun accounting

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from clients.python import Client, Playout, VoicegwError, chat, read_wav, say, ws_url
+from clients.python import Client, ClientRecorder, Playout, VoicegwError, chat, read_wav, say, ws_url
 from gateway.server import GatewayServer
 from voicegw.config import Config, GatewayConfig, LimitsConfig
 
@@ -304,6 +304,62 @@ async def test_overlapping_cancels_and_instant_mode(gateway: GatewayServer, engi
         nxt = c.speak("Next.")
         assert len(await nxt.collect()) > 0 and nxt.stats.status == "ok"
         assert await _engine_idle(engine)
+
+
+class _Times(ClientRecorder):
+    """What a recorder sees: (kind, utterance id, time) in order; it breaks on the first frame."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, Any, float]] = []
+        self.samples = 0
+        self.broke = False
+
+    def on_session_started(self, msg: dict[str, Any], t: float) -> None:
+        self.seen.append(("session.started", None, t))
+
+    def on_segment_started(self, utterance: Any, msg: dict[str, Any], t: float) -> None:
+        self.seen.append(("segment.started", utterance, t))
+
+    def on_utterance_done(self, utterance: Any, msg: dict[str, Any], t: float) -> None:
+        self.seen.append(("utterance.done", utterance, t))
+
+    def on_audio(self, utterance: Any, header: Any, payload: bytes, t: float) -> None:
+        self.samples += len(payload) // header.format.bytes_per_sample
+        self.seen.append(("audio", utterance, t))
+        if not self.broke:
+            self.broke = True
+            raise RuntimeError("a broken recorder")
+
+    def on_cancelled(self, utterance: Any, msg: dict[str, Any], t: float) -> None:
+        self.seen.append(("cancelled", utterance, t))
+
+
+async def test_recorder_sees_the_wire_and_an_app_reports_its_own_playhead(gateway: GatewayServer) -> None:
+    """The recorder hook: every message and frame in order with monotonic times, attributed to the
+    client's utterance; a failing callback breaks nothing. ``playback="none"`` with
+    ``send_playback`` and ``max_queued_chunk_s=0``: the application plays (and reports) itself."""
+    rec = _Times()
+    t0 = time.monotonic()
+    async with Client(gateway.url, playback="none", max_queued_chunk_s=0, recorder=rec) as c:
+        utt = c.speak(TEXT)
+        await asyncio.wait_for(utt.done.wait(), 20)
+        assert utt.stats.status == "ok" and rec.samples == utt.stats.samples == utt.stats.server_samples
+        assert await utt.collect() == b""  # nothing kept: the recorder had the audio
+        await c.send_playback(rec.samples, 0.0, 0)
+        await c.ping()  # a round trip: the report has been handled
+        conn = next(iter(gateway.connections))
+        assert conn.session.flow.client_played(asyncio.get_running_loop().time()) == rec.samples
+        long = c.speak(LONG)
+        await _until(lambda: any(k == "audio" and u is long for k, u, _ in rec.seen))
+        reply = await c.cancel(played_samples=utt.stats.samples)  # the first one played out, none of this
+        assert reply is not None and reply["utterance_id"] == long.id and reply["played_ms"] == 0.0, reply
+    kinds = [k for k, _, _ in rec.seen]
+    done = kinds.index("utterance.done")
+    assert kinds[0] == "session.started" and kinds[1] == "segment.started" and "audio" in kinds[:done]
+    assert all(u is utt for _, u, _ in rec.seen[1:done + 1])  # attributed to the client's utterance
+    assert rec.seen[-1][:2] == ("cancelled", long)
+    times = [t for _, _, t in rec.seen]
+    assert times == sorted(times) and t0 <= times[0] <= times[-1] <= time.monotonic()
 
 
 def test_playout_truncate() -> None:

@@ -1,7 +1,8 @@
 """Python client for the voicegw gateway (protocol v1).
 
 ``Client`` (async, streaming), ``say`` / ``chat`` (what ``voicegw say`` / ``voicegw chat`` run),
-``WavWriter`` / ``write_wav`` / ``read_wav``, ``Playout`` (the playback accounting model).
+``WavWriter`` / ``write_wav`` / ``read_wav``, ``Playout`` (the playback accounting model),
+``ClientRecorder`` (the observer hook: what was received, when).
 """
 
 from clients.python.client import (
@@ -20,6 +21,7 @@ from clients.python.client import (
 )
 from clients.python.commands import chat, say
 from clients.python.playout import Playout
+from clients.python.recorder import ClientRecorder
 from clients.python.wav import WavWriter, read_wav, write_wav
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "AudioChunk",
     "Client",
     "ClientEvent",
+    "ClientRecorder",
     "PlaybackMode",
     "RetryPolicy",
     "SegmentPlay",

@@ -39,6 +39,13 @@ Riding out a bad minute (``retry=RetryPolicy(...)``, on by default):
   sent after. Chunks of a resumed utterance keep its segment numbers and sample offsets.
   ``events`` (and ``on_event``) report ``disconnected``, ``reconnecting``, ``reconnected``,
   ``resumed``, ``retry`` and ``gave_up``; ``stats.plays`` says which audio of which segment played.
+
+Seeing the wire (``recorder=``, ``clients/python/recorder.py``): a ``ClientRecorder`` is told
+every message and audio frame as it is received, with its ``time.monotonic()`` receipt time
+(the load generator records its sessions this way). An application that plays the audio
+itself uses ``playback="none"`` and reports its playhead with ``send_playback`` (and
+``cancel(played_samples=...)``); ``max_queued_chunk_s=0`` keeps no audio for ``speak()``
+iterators (the recorder has it; in ``instant`` mode it then counts as played on arrival).
 """
 
 from __future__ import annotations
@@ -47,10 +54,11 @@ import asyncio
 import contextlib
 import logging
 import random
+import socket
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -60,6 +68,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from clients.python.playout import Playout
+from clients.python.recorder import ClientRecorder
 from gateway import protocol as P
 
 log = logging.getLogger("voicegw.client")
@@ -76,6 +85,7 @@ _RESUMABLE_CLOSES = frozenset({1006, 1011, 1012, 1013})
 """Close codes after which a session is worth resuming (docs/protocol.md, close codes)."""
 _FINAL_HTTP = frozenset({400, 401, 403, 404, 405})
 """Handshake refusals that no retry can fix."""
+_MULAW = P.AudioFormat.MULAW
 
 
 @dataclass(frozen=True)
@@ -365,7 +375,7 @@ class Utterance:
         self._queue.popleft()
         assert isinstance(item, AudioChunk)
         self._queued_samples -= item.samples
-        self._client._on_consumed(item, self)
+        self._client._on_consumed(item.samples, item.segment, self)
         return item
 
     async def collect(self) -> bytes:
@@ -403,7 +413,15 @@ class Client:
         open_timeout_s: float = 10.0,
         retry: RetryPolicy | None = None,
         on_event: Callable[[ClientEvent], None] | None = None,
+        recorder: ClientRecorder | None = None,
+        connect_options: dict[str, Any] | None = None,
+        socket_factory: Callable[[], Awaitable[socket.socket]] | None = None,
     ) -> None:
+        """``recorder``: an observer of everything received (``ClientRecorder``).
+        ``connect_options``: keyword arguments for ``websockets.asyncio.client.connect`` over
+        the client's own (e.g. ``ping_interval=None``, ``max_queue=16``). ``socket_factory``:
+        returns a connected socket for each connection attempt (socket options such as a small
+        ``SO_RCVBUF``); by default websockets opens the connection itself."""
         if sample_rate_hz not in P.SUPPORTED_SAMPLE_RATES_HZ:
             raise ValueError(f"sample_rate_hz must be one of {P.SUPPORTED_SAMPLE_RATES_HZ}")
         self.url = ws_url(url)
@@ -419,6 +437,9 @@ class Client:
         self.open_timeout_s = open_timeout_s
         self.retry = retry if retry is not None else RetryPolicy()
         self.on_event = on_event
+        self.recorder = recorder
+        self.connect_options = dict(connect_options or {})
+        self.socket_factory = socket_factory
         self.events: deque[ClientEvent] = deque(maxlen=_EVENTS_KEPT)
         """What the connection went through (most recent ``_EVENTS_KEPT``)."""
         self.reconnects = 0
@@ -434,6 +455,10 @@ class Client:
         """Samples taken from ``speak()`` iterators (the played counter in ``instant`` mode)."""
         self.dropped_frames = 0
         """Audio frames discarded because they belonged to a cancelled utterance."""
+        self.bad_frames = 0
+        """Malformed audio frames received (discarded)."""
+        self.bad_messages = 0
+        """Text messages received that are not a JSON object (discarded)."""
         self.reports_sent = 0
         self.output_latency_ms = 0.0
         self._rnd = random.Random()
@@ -464,6 +489,7 @@ class Client:
         """The link on which the current session started."""
         self._outage: dict[str, Any] | None = None
         """The last outage: drop -> reconnected -> first resumed audio played."""
+        self._stop_reading = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -501,16 +527,13 @@ class Client:
         headers = {}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
+        options: dict[str, Any] = {"subprotocols": [P.SUBPROTOCOL], "additional_headers": headers,
+                                   "compression": None, "open_timeout": self.open_timeout_s,
+                                   "close_timeout": 2.0, "max_queue": 64, **self.connect_options}
         try:
-            ws = await connect(
-                self.url,
-                subprotocols=[P.SUBPROTOCOL],  # type: ignore[list-item]
-                additional_headers=headers,
-                compression=None,
-                open_timeout=self.open_timeout_s,
-                close_timeout=2.0,
-                max_queue=64,
-            )
+            if self.socket_factory is not None:
+                options["sock"] = await self.socket_factory()
+            ws = await connect(self.url, **options)
         except InvalidStatus as exc:
             status = exc.response.status_code
             body = exc.response.body.decode(errors="replace").strip() if exc.response.body else ""
@@ -644,9 +667,11 @@ class Client:
             await self._end_text(u)
             return u
 
-    async def cancel(self) -> dict[str, Any] | None:
+    async def cancel(self, played_samples: int | None = None) -> dict[str, Any] | None:
         """Barge-in: silence now, drop audio in flight, stop every queued utterance.
-        Returns the server's ``cancelled`` message (while reconnecting: a local one)."""
+        Returns the server's ``cancelled`` message (while reconnecting: a local one).
+        ``played_samples``: the playhead to tell the server (an application that plays the audio
+        itself, ``playback="none"``: see ``send_playback``); by default the client's own."""
         if self.closed:
             return None
         for u in self._utterances:
@@ -673,7 +698,9 @@ class Client:
         reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._cancel_replies.append(reply)
         out: dict[str, Any] = {"type": P.ClientType.CANCEL.value}
-        if played is not None:
+        if played_samples is not None:
+            out["played_samples"] = played_samples
+        elif played is not None:
             out["played_samples"] = max(0, played - self._played_base)
         try:
             await self._send(out)
@@ -681,6 +708,28 @@ class Client:
                 return await reply
         except TimeoutError:
             raise VoicegwError("timeout", "no reply to cancel") from None
+
+    async def send_playback(self, played_samples: int, buffered_ms: float = 0.0, underruns: int = 0,
+                            output_latency_ms: float | None = None) -> None:
+        """Report the playhead (a ``playback`` message; it paces the server's flow control). For an
+        application that plays the audio itself (``playback="none"``): the other modes report by
+        themselves. ``played_samples`` counts the session's samples played so far."""
+        msg: dict[str, Any] = {
+            "type": P.ClientType.PLAYBACK.value,
+            "played_samples": played_samples,
+            "buffered_ms": round(max(0.0, buffered_ms), 1),
+            "underruns": underruns,
+        }
+        if output_latency_ms is not None:
+            msg["output_latency_ms"] = round(min(60_000.0, output_latency_ms), 1)
+        await self._send(msg)
+        self.reports_sent += 1
+
+    def stop_reading(self) -> None:
+        """Take no more messages off this connection's socket (for load and robustness tests): its
+        buffers fill and the gateway sees a consumer that stalled. The connection's end is
+        still noticed (``ClientRecorder.on_closed``). Not undone, not carried over a reconnect."""
+        self._stop_reading = True
 
     async def ping(self) -> float:
         """Application-level round trip, in ms."""
@@ -715,7 +764,8 @@ class Client:
         try:
             await self.ws.send(orjson.dumps(obj).decode())
         except ConnectionClosed as exc:
-            raise VoicegwError("closed", f"connection closed ({exc})") from None
+            detail = {"code": exc.rcvd.code, "reason": exc.rcvd.reason} if exc.rcvd is not None else {}
+            raise VoicegwError("closed", f"connection closed ({exc})", detail) from None
 
     async def _send_delta(self, u: Utterance, text: str) -> None:
         if not text or u.cancelling:
@@ -814,12 +864,28 @@ class Client:
         return u
 
     async def _reader(self, ws: ClientConnection, gen: int) -> None:
+        self._stop_reading = False
+        timed = self.recorder is not None
+        recv = ws.recv
         try:
-            async for m in ws:
+            while True:
+                m = await recv()  # not ``async for``: no async-generator step per message
+                t = time.monotonic() if timed else 0.0
                 if isinstance(m, bytes):
-                    self._on_audio(m)
+                    self._on_audio(m, t)
                 else:
-                    await self._on_message(orjson.loads(m))
+                    try:
+                        msg = orjson.loads(m)
+                    except orjson.JSONDecodeError:
+                        msg = None
+                    if isinstance(msg, dict):
+                        await self._on_message(msg, t)
+                    else:
+                        self.bad_messages += 1
+                        log.warning("malformed message from the gateway (%d characters)", len(m))
+                if self._stop_reading:
+                    await ws.wait_closed()
+                    break
         except ConnectionClosed:
             pass
         except asyncio.CancelledError:
@@ -833,6 +899,8 @@ class Client:
     def _on_link_down(self, ws: ClientConnection, gen: int) -> None:
         code = ws.close_code
         reason = ws.close_reason or ""
+        if self.recorder is not None and not self.closed:  # not the application's own close()
+            self._notify(self.recorder.on_closed, code, reason, time.monotonic())
         self.close_code = code
         if self.ws is ws:
             self.ws = None
@@ -990,33 +1058,41 @@ class Client:
             u.played.set()
             self._forget(u)
 
-    def _on_audio(self, data: bytes) -> None:
+    def _on_audio(self, data: bytes, t: float = 0.0) -> None:
+        rec = self.recorder
         if self._cancel_replies:
             self.dropped_frames += 1
+            if rec is not None:
+                with contextlib.suppress(ValueError):
+                    h, p = P.unpack_audio_frame(data)
+                    self._notify(rec.on_audio, self._by_id.get(h.utterance_id), h, p, t)
             return
         try:
             header, payload = P.unpack_audio_frame(data)
         except ValueError:
+            self.bad_frames += 1
             log.warning("malformed audio frame (%d bytes)", len(data))
             return
-        if header.format is P.AudioFormat.MULAW:
+        u = self._by_id.get(header.utterance_id)
+        if u is None:
+            u = self._record(header.utterance_id)
+        if rec is not None:
+            try:
+                rec.on_audio(u, header, payload, t)
+            except Exception:  # noqa: BLE001 - an observer must not break the client
+                log.exception("client recorder failed")
+        mode = self.playback_mode
+        queue = u is not None and self.max_queued_chunk_s > 0
+        mulaw = header.format is _MULAW
+        n = len(payload) if mulaw else len(payload) // 2
+        if mulaw and (queue or mode == "speakers"):
             from gateway.audio import mulaw_decode
 
             payload = mulaw_decode(payload).astype("<i2").tobytes()
-        u = self._record(header.utterance_id)
-        segment = header.segment + (u.seg_base if u is not None else 0)
-        chunk = AudioChunk(
-            utterance_id=header.utterance_id,
-            segment=segment,
-            seq=header.seq,
-            sample_offset=header.sample_offset + (u.sample_base if u is not None else 0),
-            pcm=payload,
-            sample_rate_hz=self.sample_rate_hz,
-        )
-        n = chunk.samples
         self.received_samples += n
         seg: _Seg | None = None
         if u is not None:
+            segment = header.segment + u.seg_base
             if u.t_first_audio is None:
                 u.t_first_audio = time.perf_counter()
                 u.underruns_at_start = self.playout.underruns
@@ -1024,16 +1100,24 @@ class Client:
                     u.stats.ttfa_ms = (u.t_first_audio - u.t_first_text) * 1000.0
             seg = u.segs.get(segment)
             if seg is None:  # no segment.started seen (a server that skips it): still accounted
-                seg = self._new_seg(u, segment, "", 0, 0, chunk.sample_offset)
+                seg = self._new_seg(u, segment, "", 0, 0, header.sample_offset + u.sample_base)
             seg.play.samples += n
             u.stats.samples += n
-            u._put(chunk)
+            if queue:
+                u._put(AudioChunk(utterance_id=header.utterance_id, segment=segment, seq=header.seq,
+                                  sample_offset=header.sample_offset + u.sample_base, pcm=payload,
+                                  sample_rate_hz=self.sample_rate_hz))
+            elif mode == "instant":
+                self._on_consumed(n, segment, u)  # nobody takes it from speak(): played on arrival
             o = self._outage
             if (o is not None and o["to_audio_ms"] is None and o["t_up"] is not None
-                    and self.playback_mode not in ("realtime", "speakers")):
+                    and mode not in ("realtime", "speakers")):
                 o["to_audio_ms"] = round((time.monotonic() - o["t_up"]) * 1000.0)
                 o["gap_ms"] = 0
-        if self.playback_mode in ("realtime", "speakers"):
+        if mode == "none":
+            if seg is not None:
+                seg.play.played += n
+        elif mode in ("realtime", "speakers"):
             with self._lock:
                 if seg is not None:
                     if seg.pos is None:
@@ -1043,10 +1127,43 @@ class Client:
                     else:
                         self._spans.append([seg.play, n])
                 self.playout.push(n)
-                if self.playback_mode == "speakers":
+                if mode == "speakers":
                     self._fifo += payload
-        elif self.playback_mode == "none" and seg is not None:
-            seg.play.played += n
+
+    def _notify(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - an observer must not break the client
+            log.exception("client recorder failed")
+
+    def _record_message(self, mtype: Any, msg: dict[str, Any], t: float) -> None:
+        """Tell the recorder about a JSON message (before the client acts on it)."""
+        rec = self.recorder
+        assert rec is not None
+        if mtype == P.ServerType.SESSION_STARTED:
+            self._notify(rec.on_session_started, msg, t)
+            return
+        fn: Callable[[Utterance | None, dict[str, Any], float], None]
+        if mtype == P.ServerType.SEGMENT_STARTED:
+            fn = rec.on_segment_started
+        elif mtype == P.ServerType.SEGMENT_DONE:
+            fn = rec.on_segment_done
+        elif mtype == P.ServerType.UTTERANCE_DONE:
+            fn = rec.on_utterance_done
+        elif mtype == P.ServerType.CANCELLED:
+            fn = rec.on_cancelled
+        elif mtype == P.ServerType.ERROR:
+            fn = rec.on_error
+        else:
+            self._notify(rec.on_message, msg, t)
+            return
+        uid = msg.get("utterance_id")
+        u: Utterance | None = None
+        if isinstance(uid, int):
+            u = self._record(uid)
+        elif msg.get("id") is not None and mtype == P.ServerType.ERROR:
+            u = next((x for x in self._utterances if x.local_id == msg["id"] and x.id is None), None)
+        self._notify(fn, u, msg, t)
 
     def _new_seg(self, u: Utterance, index: int, text: str, start_char: int, end_char: int,
                  sample_offset: int) -> _Seg:
@@ -1056,8 +1173,10 @@ class Client:
         u.segs[index] = seg
         return seg
 
-    async def _on_message(self, msg: dict[str, Any]) -> None:
+    async def _on_message(self, msg: dict[str, Any], t_rcvd: float = 0.0) -> None:
         t = msg.get("type")
+        if self.recorder is not None:
+            self._record_message(t, msg, t_rcvd)
         if t == P.ServerType.SESSION_STARTED:
             if self._session_waiter is not None and not self._session_waiter.done():
                 self._session_waiter.set_result(msg)
@@ -1205,12 +1324,12 @@ class Client:
             if span[1] == 0:
                 self._spans.popleft()
 
-    def _on_consumed(self, chunk: AudioChunk, u: Utterance) -> None:
-        self.consumed_samples += chunk.samples
+    def _on_consumed(self, n: int, segment: int, u: Utterance) -> None:
+        self.consumed_samples += n
         if self.playback_mode == "instant":
-            seg = u.segs.get(chunk.segment)
+            seg = u.segs.get(segment)
             if seg is not None:
-                seg.play.played += chunk.samples
+                seg.play.played += n
             if self._link_up:
                 task = asyncio.create_task(self._instant_report())
                 self._tasks.append(task)
@@ -1341,14 +1460,7 @@ class Client:
                 return
 
     async def _send_report(self, played: int, buffered_ms: float, underruns: int, drained: bool) -> None:
-        await self._send({
-            "type": P.ClientType.PLAYBACK.value,
-            "played_samples": played,
-            "buffered_ms": round(max(0.0, buffered_ms), 1),
-            "underruns": underruns,
-            "output_latency_ms": round(min(60_000.0, self.output_latency_ms), 1),
-        })
-        self.reports_sent += 1
+        await self.send_playback(played, buffered_ms, underruns, output_latency_ms=self.output_latency_ms)
 
     def _check_played(self) -> None:
         """Mark utterances whose audio has been played out."""

@@ -431,7 +431,7 @@ async def test_overload_is_retried_after_the_hinted_wait(browser: Any, speech_en
     import dataclasses
 
     from gateway.server import GatewayServer
-    from tests.gateway.wsclient import Client as RawClient
+    from tests.transcript import Transcript, quiet_client
     from voicegw.config import Config, EngineConfig, GatewayConfig, SchedulerConfig
 
     config = Config(gateway=GatewayConfig(host="127.0.0.1", port=0),
@@ -441,10 +441,11 @@ async def test_overload_is_retried_after_the_hinted_wait(browser: Any, speech_en
     await server.start()
     pg = await browser.new_page()
     try:
-        busy = await RawClient.open(server.ws_url)  # never reports playback: its stream holds the slot
-        await busy.start()
-        await busy.speak("This answer goes on for quite a while, sentence after sentence, holding the slot. " * 6)
-        await busy.wait_for("segment.started", within_s=60)
+        bt = Transcript()
+        busy = quiet_client(server.ws_url, bt)  # never reports playback: its stream holds the slot
+        await busy.connect()
+        busy.speak("This answer goes on for quite a while, sentence after sentence, holding the slot. " * 6)
+        await bt.wait_for("segment.started", within_s=60)
         await pg.goto(server.url + "/")
         await pg.evaluate("""
           async () => {
@@ -457,8 +458,7 @@ async def test_overload_is_retried_after_the_hinted_wait(browser: Any, speech_en
           }
         """)
         await pg.wait_for_function("window.retries.length > 0", timeout=60_000)
-        await busy.send({"type": "cancel"})  # the slot frees while the page waits
-        await busy.wait_for("cancelled")
+        await busy.cancel()  # the slot frees while the page waits
         out = await asyncio.wait_for(pg.evaluate("(async () => ({ r: await window.done, retries: window.retries }))()"), 120)
         await busy.close()
     finally:

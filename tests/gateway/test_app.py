@@ -13,7 +13,7 @@ from pathlib import Path
 
 import orjson
 
-from tests.gateway.wsclient import Client
+from tests.transcript import Transcript, fast_client
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,18 +61,20 @@ async def test_run_gateway_serves_and_stops_gracefully_on_sigterm():
             await asyncio.sleep(0.05)
         else:
             raise AssertionError("gateway did not come up")
-        c = await Client.open(f"ws://127.0.0.1:{port}/ws", fast_playback=True)
-        await c.start()
-        await c.speak("A sentence that is speaking while the server gets SIGTERM.", end=False)
-        await c.recv_one()
+        t = Transcript()
+        c = fast_client(f"ws://127.0.0.1:{port}/ws", t)  # no reconnect after the 1012
+        await c.connect()
+        await c.send_text("A sentence that is speaking while the server gets SIGTERM.")
+        await t.next_arrival()
         proc.send_signal(signal.SIGTERM)
-        await c.speak(" And it still finishes.")
-        done = await c.wait_for("utterance.done")
+        await c.send_text(" And it still finishes.")
+        await c.end()
+        done = await t.wait_for("utterance.done")
         assert done["status"] == "ok"
-        spoken = "".join(m["text"] for m in c.messages if m["type"] == "segment.started")
+        spoken = "".join(m["text"] for m in t.of_type("segment.started"))
         assert spoken.replace(" ", "").endswith("finishes.")
-        await asyncio.wait_for(c.ws.wait_closed(), 5)
-        assert c.ws.close_code == 1012
+        assert (await t.wait_closed(5))[0] == 1012
+        await c.close()
         rc = await asyncio.wait_for(proc.wait(), 10)
         assert rc == 0
         assert proc.stderr is not None

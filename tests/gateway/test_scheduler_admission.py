@@ -12,7 +12,7 @@ from gateway.dispatch import EngineScheduler
 from gateway.server import GatewayServer
 from loadtest.simengine import FakeSpeechEngine
 from tests.gateway.conftest import wait_until
-from tests.gateway.wsclient import Client
+from tests.transcript import Transcript, fast_client, quiet_client
 from voicegw.config import Config, EngineConfig, GatewayConfig, SchedulerConfig
 
 LONG = "This answer goes on for quite a while, sentence after sentence. " * 6
@@ -35,32 +35,33 @@ async def _gateway(engine: FakeSpeechEngine, tmp_path: Path, engine_cfg: dict[st
 async def test_admission_refuses_new_utterance_when_engine_full_then_recovers(tmp_path: Path) -> None:
     engine = FakeSpeechEngine(speed=2.0)
     async with _gateway(engine, tmp_path, {"max_num_seqs": 1}, {"ttfa_target_ms": 100.0}) as server:
-        busy = await Client.open(server.ws_url)  # never reports playback: its stream stays in the engine
-        await busy.start()
-        await busy.speak(LONG)
-        await busy.wait_for("segment.started")
+        bt = Transcript()
+        busy = quiet_client(server.ws_url, bt)  # never reports playback: its stream stays in the engine
+        await busy.connect()
+        busy.speak(LONG)
+        await bt.wait_for("segment.started")
         assert engine.running  # the one batch slot is taken
 
-        c = await Client.open(server.ws_url, fast_playback=True)
-        await c.start()
-        await c.speak("Hello there, may I speak?")
-        err = await c.wait_for("error")
+        t = Transcript()
+        c = fast_client(server.ws_url, t)  # no retries: the refusal is what is looked at
+        await c.connect()
+        c.speak("Hello there, may I speak?")
+        err = await t.wait_for("error")
         assert err["code"] == "engine_overloaded" and err["fatal"] is False and err["utterance_id"] == 1
         assert isinstance(err["retry_after_ms"], int) and err["retry_after_ms"] > 0, err
-        done = await c.wait_for("utterance.done")
+        done = await t.wait_for("utterance.done")
         assert done["status"] == "error" and done["error"] == "engine_overloaded" and done["samples"] == 0
         assert EngineScheduler.for_server(server).refused == 1
         assert server.metrics.admission_refused._value.get() == 1
         assert b"voicegw_admission_refused_total 1.0" in server.metrics.render()
-        assert c.started is not None
-        sid = c.started["session_id"]
+        assert c.session is not None
+        sid = c.session["session_id"]
         assert not [r for r in engine.requests if r.request_id.startswith(sid)]  # never reached the engine
 
-        await busy.send({"type": "cancel"})
-        await busy.wait_for("cancelled")
+        await busy.cancel()
         assert await wait_until(lambda: not engine.running, within_s=5)
-        await c.speak("Now there is room.")  # the session survived; the retry is admitted
-        done = await c.wait_for("utterance.done", within_s=20)
+        c.speak("Now there is room.")  # the session survived; the retry is admitted
+        done = await t.wait_for("utterance.done", within_s=20)
         assert done["status"] == "ok" and done["samples"] > 0
         await c.close()
         await busy.close()

@@ -1,4 +1,7 @@
-"""Integration tests over a real socket: websockets clients against the gateway on 127.0.0.1."""
+"""Integration tests over a real socket against the gateway on 127.0.0.1: the product's Python
+client (``clients.python``, with ``tests/transcript.py`` recording what it receives), and raw
+sockets (``tests/reliability/rawws.py``, plain websockets) where a test sends what that client
+never would."""
 
 from __future__ import annotations
 
@@ -12,15 +15,17 @@ from pathlib import Path
 import orjson
 import pytest
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.exceptions import ConnectionClosed
 from websockets.typing import Subprotocol
 
+from clients.python import NO_RETRY, Client, VoicegwError
 from engine.api import SpeechEngine
 from gateway import protocol as P
 from gateway.audio import mulaw_decode
 from loadtest.simengine import FakeSpeechEngine
 from tests.gateway.conftest import GatewayFactory, wait_until
-from tests.gateway.wsclient import Client
+from tests.reliability.rawws import OP_BINARY, OP_TEXT, RawConn
+from tests.transcript import Transcript, fast_client, quiet_client
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
 TEXT = (
@@ -33,9 +38,9 @@ def _norm(s: str) -> str:
     return "".join(s.split())
 
 
-def _check_stream(c: Client, utterance_id: int) -> int:
+def _check_stream(t: Transcript, utterance_id: int) -> int:
     """Frames of one utterance are contiguous: seq 0.., offsets add up, segments in order."""
-    frames = c.utterance_frames(utterance_id)
+    frames = t.utterance_frames(utterance_id)
     offset = 0
     segment = 0
     for i, f in enumerate(frames):
@@ -64,55 +69,56 @@ async def _http_get(url: str, headers: dict[str, str] | None = None) -> tuple[in
 
 async def test_single_characters_play_completely(speech_engine: SpeechEngine, make_gateway: GatewayFactory):
     async with make_gateway(speech_engine, limits={"max_messages_per_s": 1000}) as server:
-        c = await Client.open(server.ws_url, fast_playback=True)
-        started = await c.start()
-        assert started["engine"] == speech_engine.name and started["sample_rate"] == 24_000
-        assert c.ws.subprotocol == P.SUBPROTOCOL
-        await c.speak(TEXT, piece_chars=1)
-        done = await c.wait_for("utterance.done", within_s=60)
-        assert done["status"] == "ok"
-        assert not c.errors()
-        sent = _check_stream(c, done["utterance_id"])
-        assert sent == done["samples"] > 0
-        spoken = [m["text"] for m in c.messages if m["type"] == "segment.started"]
-        assert _norm("".join(spoken)) == _norm(TEXT)  # every character was spoken, in order
-        assert len(spoken) == done["segments"] >= 3
-        seg_done = [m for m in c.messages if m["type"] == "segment.done"]
-        assert sum(m["samples"] for m in seg_done) == sent
-        if isinstance(speech_engine, FakeSpeechEngine):
-            assert sent == sum(speech_engine.expected_samples(t, 24_000) for t in spoken)
-        await c.close()
+        t = Transcript()
+        async with fast_client(server.ws_url, t) as c:
+            started = c.session
+            assert started is not None
+            assert started["engine"] == speech_engine.name and started["sample_rate"] == 24_000
+            assert c.ws is not None and c.ws.subprotocol == P.SUBPROTOCOL
+            c.speak(list(TEXT))  # one text.delta per character
+            done = await t.wait_for("utterance.done", within_s=60)
+            assert done["status"] == "ok"
+            assert not t.errors()
+            sent = _check_stream(t, done["utterance_id"])
+            assert sent == done["samples"] > 0
+            spoken = [m["text"] for m in t.of_type("segment.started")]
+            assert _norm("".join(spoken)) == _norm(TEXT)  # every character was spoken, in order
+            assert len(spoken) == done["segments"] >= 3
+            assert sum(m["samples"] for m in t.of_type("segment.done")) == sent
+            if isinstance(speech_engine, FakeSpeechEngine):
+                assert sent == sum(speech_engine.expected_samples(x, 24_000) for x in spoken)
         assert await wait_until(lambda: speech_engine.health().running_requests == 0)
 
 
 async def test_cancel_mid_utterance_stops_audio_and_engine(speech_engine: SpeechEngine,
                                                            make_gateway: GatewayFactory):
     async with make_gateway(speech_engine, limits={"flow_window_ms": 500}) as server:
-        c = await Client.open(server.ws_url)  # reports no playback: real-time pacing
-        await c.start()
-        long_text = " ".join(["This sentence is here to make the utterance long."] * 20)
-        await c.speak(long_text, piece_chars=40, end=False)
-        while not c.frames:
-            await c.recv_one()
-        await c.send({"type": "cancel", "id": "c1"})
-        cancelled = await c.wait_for("cancelled")
-        assert cancelled["id"] == "c1"
-        assert cancelled["utterance_id"] == 1 and cancelled["cancelled_utterances"] == [1]
-        assert 0 < cancelled["sent_ms"] <= cancelled["generated_ms"]
-        assert 0 <= cancelled["played_ms"] <= cancelled["sent_ms"]
-        assert long_text.startswith(cancelled["heard_text"])
-        n_frames = len(c.frames)
-        assert await wait_until(lambda: speech_engine.health().running_requests == 0, within_s=2)
-        with pytest.raises(TimeoutError):
-            await c.recv_one(within_s=0.3)  # nothing more of utterance 1
-        assert len(c.frames) == n_frames
-        # the session goes on: a new utterance after the barge-in plays
-        c.fast_playback = True
-        await c.speak("A new answer after the barge-in.")
-        done = await c.wait_for("utterance.done")
-        assert done["utterance_id"] == 2 and done["status"] == "ok"
-        assert _check_stream(c, 2) == done["samples"] > 0
-        await c.close()
+        t = Transcript()
+        # instant playback, but nothing is taken from the first utterance: no report while it
+        # plays (real-time pacing); the second one is taken as it arrives
+        async with Client(server.ws_url, playback="instant", retry=NO_RETRY, recorder=t) as c:
+            long_text = " ".join(["This sentence is here to make the utterance long."] * 20)
+            for i in range(0, len(long_text), 40):
+                await c.send_text(long_text[i:i + 40])
+            first = await t.wait_audio(within_s=10)
+            # what a listener heard in real time since the first audio (the server caps it at what it sent)
+            heard = int((time.monotonic() - first.t) * 24_000)
+            cancelled = await c.cancel(played_samples=heard)
+            assert cancelled is not None and cancelled == await t.wait_for("cancelled")
+            assert cancelled["utterance_id"] == 1 and cancelled["cancelled_utterances"] == [1]
+            assert 0 < cancelled["sent_ms"] <= cancelled["generated_ms"]
+            assert 0 <= cancelled["played_ms"] <= cancelled["sent_ms"]
+            assert long_text.startswith(cancelled["heard_text"])
+            assert await wait_until(lambda: speech_engine.health().running_requests == 0, within_s=2)
+            n_frames, n_messages = len(t.frames), len(t.messages)
+            await asyncio.sleep(0.3)
+            assert (len(t.frames), len(t.messages)) == (n_frames, n_messages)  # nothing more of utterance 1
+            # the session goes on: a new utterance after the barge-in plays
+            u = c.speak("A new answer after the barge-in.")
+            await asyncio.wait_for(u.collect(), 30)
+            done = await t.wait_for("utterance.done")
+            assert done["utterance_id"] == 2 and done["status"] == "ok"
+            assert _check_stream(t, 2) == done["samples"] > 0
 
 
 async def test_slow_reader_is_closed_and_does_not_slow_another(make_gateway: GatewayFactory):
@@ -122,14 +128,13 @@ async def test_slow_reader_is_closed_and_does_not_slow_another(make_gateway: Gat
         text = " ".join(["The quick brown fox jumps over the lazy dog."] * 8)
 
         async def good_client() -> float:
-            c = await Client.open(server.ws_url, fast_playback=True)
-            await c.start()
-            t0 = time.monotonic()
-            await c.speak(text)
-            done = await c.wait_for("utterance.done", within_s=20)
-            assert done["status"] == "ok" and _check_stream(c, 1) == done["samples"]
-            await c.close()
-            return time.monotonic() - t0
+            t = Transcript()
+            async with fast_client(server.ws_url, t) as c:
+                t0 = time.monotonic()
+                c.speak(text)
+                done = await t.wait_for("utterance.done", within_s=20)
+                assert done["status"] == "ok" and _check_stream(t, 1) == done["samples"]
+                return time.monotonic() - t0
 
         solo_s = await good_client()
 
@@ -162,13 +167,15 @@ async def test_abrupt_disconnects_leave_no_engine_requests(speech_engine: Speech
     async with make_gateway(speech_engine, limits={"max_sessions": 64}) as server:
 
         async def one(i: int) -> None:
-            c = await Client.open(server.ws_url)
-            await c.start()
-            await c.speak(f"Client number {i} is speaking and will vanish, mid sentence. " * 3, end=False)
-            if i % 2 == 0:
-                while not c.frames:  # half of them disconnect while audio streams
-                    await c.recv_one(within_s=30)
+            t = Transcript()
+            c = quiet_client(server.ws_url, t)
+            await c.connect()
+            await c.send_text(f"Client number {i} is speaking and will vanish, mid sentence. " * 3)
+            if i % 2 == 0:  # half of them disconnect while audio streams
+                await t.wait_audio(within_s=30)
+            assert c.ws is not None
             c.ws.transport.abort()
+            await c.close()
 
         for batch in range(5):
             await asyncio.gather(*(one(batch * 20 + i) for i in range(20)))
@@ -198,34 +205,50 @@ async def test_malformed_inputs_get_documented_errors(speech_engine: SpeechEngin
                                                       make_gateway: GatewayFactory):
     documented = DOC
     async with make_gateway(speech_engine) as server:
-        c = await Client.open(server.ws_url, fast_playback=True)
+        c = await RawConn.open("127.0.0.1", server.port)
         # text before session.start
-        await c.send({"type": "text.delta", "text": "too early", "id": 1})
-        err = await c.wait_for("error")
+        await c.send_json({"type": "text.delta", "text": "too early", "id": 1})
+        err = await c.wait_json("error")
         assert err["code"] == "session_not_started" and err["id"] == 1 and err["fatal"] is False
-        await c.send({"type": "session.start", "sample_rate": 12345})
-        err = await c.wait_for("error")
+        await c.send_json({"type": "session.start", "sample_rate": 12345})
+        err = await c.wait_json("error")
         assert err["code"] == "invalid_field" and err["field"] == "sample_rate"
-        await c.send({"type": "session.start", "options": {"temperature": "hot"}})
-        err = await c.wait_for("error")
+        await c.send_json({"type": "session.start", "options": {"temperature": "hot"}})
+        err = await c.wait_json("error")
         assert err["code"] == "invalid_field" and err["field"] == "options.temperature"
-        await c.start()
+        await c.send_json({"type": "session.start"})
+        await c.wait_json("session.started")
         # malformed input in the middle of an utterance loses nothing of it
-        await c.speak("First half of the sentence, ", end=False)
+        spoken: list[str] = []
+
+        async def until(mtype: str, within_s: float = 10.0) -> dict[str, object]:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + within_s
+            while True:
+                m = await c.read_json(max(0.01, deadline - loop.time()))
+                if m["type"] == "segment.started":
+                    spoken.append(str(m["text"]))
+                if m["type"] == mtype:
+                    return m
+
+        await c.send_json({"type": "text.delta", "text": "First half of the sentence, "})
         for raw, code, field in MALFORMED:
-            await c.send(raw)
-            err = await c.wait_for("error")
+            if isinstance(raw, bytes):
+                await c.send_frame(OP_BINARY, raw)
+            else:
+                await c.send_frame(OP_TEXT, raw.encode())
+            err = await until("error")
             assert err["code"] == code, raw
             assert err.get("field") == field, raw
             assert err["message"] == P.ERROR_MESSAGES[P.ErrorCode(code)]  # fixed text, no exception text
             assert f"`{code}`" in documented
-        await c.speak("and the second half.")
-        done = await c.wait_for("utterance.done")
+        await c.send_json({"type": "text.delta", "text": "and the second half."})
+        await c.send_json({"type": "text.end"})
+        done = await until("utterance.done", within_s=60)  # no playback reports: real-time pacing
         assert done["status"] == "ok"
-        spoken = "".join(m["text"] for m in c.messages if m["type"] == "segment.started")
-        assert _norm(spoken) == _norm("First half of the sentence, and the second half.")
-        await c.send({"type": "ping", "id": "p", "t": 1.5})
-        pong = await c.wait_for("pong")
+        assert _norm("".join(spoken)) == _norm("First half of the sentence, and the second half.")
+        await c.send_json({"type": "ping", "id": "p", "t": 1.5})
+        pong = await c.wait_json("pong")
         assert pong["id"] == "p" and pong["t"] == 1.5
         await c.close()
 
@@ -233,40 +256,39 @@ async def test_malformed_inputs_get_documented_errors(speech_engine: SpeechEngin
 async def test_text_limits(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
     limits = {"max_utterance_chars": 50, "max_chars_per_s": 20.0}
     async with make_gateway(fake_engine, limits=limits) as server:
-        c = await Client.open(server.ws_url, fast_playback=True)
-        await c.start()
-        await c.send({"type": "text.delta", "text": "x" * 51})
-        assert (await c.wait_for("error"))["code"] == "text_too_long"
-        await c.send({"type": "text.delta", "text": "Short text. "})
-        await c.send({"type": "text.delta", "text": "y" * 45})
-        err = await c.wait_for("error")
+        c = await RawConn.open("127.0.0.1", server.port)
+        await c.send_json({"type": "session.start"})
+        await c.wait_json("session.started")
+        await c.send_json({"type": "text.delta", "text": "x" * 51})
+        assert (await c.wait_json("error"))["code"] == "text_too_long"
+        await c.send_json({"type": "text.delta", "text": "Short text. "})
+        await c.send_json({"type": "text.delta", "text": "y" * 45})
+        err = await c.wait_json("error")
         assert err["code"] == "text_too_long" and err["utterance_id"] == 1
-        await c.send({"type": "text.end"})
-        assert (await c.wait_for("utterance.done"))["status"] == "ok"
+        await c.send_json({"type": "text.end"})
+        assert (await c.wait_json("utterance.done"))["status"] == "ok"
         # rate: 20 chars/s, a one-second burst; a delta is accepted while there is credit left
-        await c.send({"type": "text.delta", "text": "z" * 40 + " "})
-        await c.send({"type": "text.delta", "text": "again"})
-        assert (await c.wait_for("error"))["code"] == "rate_limited"
+        await c.send_json({"type": "text.delta", "text": "z" * 40 + " "})
+        await c.send_json({"type": "text.delta", "text": "again"})
+        assert (await c.wait_json("error"))["code"] == "rate_limited"
         await c.close()
 
 
 async def test_message_too_big_closes_1009(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
     async with make_gateway(fake_engine, limits={"max_message_bytes": 1024}) as server:
-        c = await Client.open(server.ws_url)
-        await c.start()
-        await c.send({"type": "text.delta", "text": "a" * 2000})
-        with pytest.raises(ConnectionClosed):
-            await c.recv_one(within_s=3)
-        assert c.ws.close_code == 1009
+        c = await RawConn.open("127.0.0.1", server.port)
+        await c.send_json({"type": "session.start"})
+        await c.wait_json("session.started")
+        await c.send_json({"type": "text.delta", "text": "a" * 2000})
+        assert (await c.expect_close(within_s=3))[0] == 1009
+        await c.close()
 
 
 async def test_idle_session_is_closed(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
     async with make_gateway(fake_engine, limits={"idle_timeout_s": 0.3}) as server:
-        c = await Client.open(server.ws_url)
-        await c.start()
-        with pytest.raises(ConnectionClosed):
-            await c.recv_one(within_s=3)
-        assert c.ws.close_code == 1000 and c.ws.close_reason == "idle"
+        t = Transcript()
+        async with quiet_client(server.ws_url, t):
+            assert await t.wait_closed(within_s=3) == (1000, "idle")
 
 
 async def test_silent_connection_is_closed_for_idleness(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
@@ -283,47 +305,45 @@ async def test_silent_connection_is_closed_for_idleness(fake_engine: FakeSpeechE
             assert ws.close_code == 1000 and ws.close_reason == "idle"
 
 
+async def _refused(url: str, **kw: object) -> int:
+    """The HTTP status that refused the client's handshake."""
+    with pytest.raises(VoicegwError) as ei:
+        await quiet_client(url, **kw).connect()
+    assert ei.value.code == "handshake_failed", ei.value
+    return int(ei.value.detail["status"])
+
+
 async def test_auth_origin_and_capacity(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
     gw = {"auth_tokens": ("s3cret",)}
     async with make_gateway(fake_engine, gateway=gw, limits={"max_sessions": 2}) as server:
         url = server.ws_url
-        for headers in ({}, {"Authorization": "Bearer wrong"}):
-            with pytest.raises(InvalidStatus) as ei:
-                await Client.open(url, additional_headers=headers)
-            assert ei.value.response.status_code == 401
-        with pytest.raises(InvalidStatus) as ei:
-            await Client.open(url + "?token=nope")
-        assert ei.value.response.status_code == 401
-        # the three ways to present a token
-        a = await Client.open(url, additional_headers={"Authorization": "Bearer s3cret"})
-        b = await Client.open(url, subprotocols=[P.SUBPROTOCOL, P.TOKEN_SUBPROTOCOL_PREFIX + "s3cret"])
-        assert b.ws.subprotocol == P.SUBPROTOCOL  # the token subprotocol is never selected
+        for token in (None, "wrong"):
+            assert await _refused(url, token=token) == 401
+        assert await _refused(url + "?token=nope") == 401
+        # the three ways to present a token (the client's own: the Authorization header)
+        a = quiet_client(url, token="s3cret")
+        await a.connect()
+        b = quiet_client(url, connect_options={"subprotocols": [P.SUBPROTOCOL, P.TOKEN_SUBPROTOCOL_PREFIX + "s3cret"]})
+        await b.connect()
+        assert b.ws is not None and b.ws.subprotocol == P.SUBPROTOCOL  # the token subprotocol is never selected
         await b.close()
         assert await wait_until(lambda: len(server.connections) == 1)
-        q = await Client.open(url + "?token=s3cret", origin=f"http://127.0.0.1:{server.port}")
-        await q.start()
+        q = quiet_client(url + "?token=s3cret", connect_options={"origin": f"http://127.0.0.1:{server.port}"})
+        await q.connect()
         # over the cap: 503 at the handshake
-        with pytest.raises(InvalidStatus) as ei:
-            await Client.open(url + "?token=s3cret")
-        assert ei.value.response.status_code == 503
+        assert await _refused(url + "?token=s3cret") == 503
         # foreign origin: 403
         await q.close()
         assert await wait_until(lambda: len(server.connections) == 1)
-        with pytest.raises(InvalidStatus) as ei:
-            await Client.open(url + "?token=s3cret", origin="http://evil.example")
-        assert ei.value.response.status_code == 403
+        assert await _refused(url + "?token=s3cret", connect_options={"origin": "http://evil.example"}) == 403
         # a protocol version this server does not speak: 400
-        with pytest.raises(InvalidStatus) as ei:
-            await Client.open(url + "?token=s3cret", subprotocols=["voicegw.v9"])
-        assert ei.value.response.status_code == 400
+        assert await _refused(url + "?token=s3cret", connect_options={"subprotocols": ["voicegw.v9"]}) == 400
         await a.close()
     allowed = {"allowed_origins": ("https://app.example",)}
     async with make_gateway(fake_engine, gateway=allowed) as server:
-        ok = await Client.open(server.ws_url, origin="https://app.example")
-        await ok.close()
-        with pytest.raises(InvalidStatus) as ei:
-            await Client.open(server.ws_url, origin=f"http://127.0.0.1:{server.port}")
-        assert ei.value.response.status_code == 403
+        async with quiet_client(server.ws_url, connect_options={"origin": "https://app.example"}):
+            pass
+        assert await _refused(server.ws_url, connect_options={"origin": f"http://127.0.0.1:{server.port}"}) == 403
 
 
 async def test_healthz_metrics_and_static(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory,
@@ -334,10 +354,9 @@ async def test_healthz_metrics_and_static(fake_engine: FakeSpeechEngine, make_ga
     (web / "js" / "player.js").write_text("export const x = 1;")
     (tmp_path / "secret.txt").write_text("outside")
     async with make_gateway(fake_engine, static_dir=web) as server:
-        c = await Client.open(server.ws_url, fast_playback=True)
-        await c.start()
-        await c.speak("Some speech for the metrics.")
-        await c.wait_for("utterance.done")
+        c = fast_client(server.ws_url)
+        await c.connect()
+        await c.speak("Some speech for the metrics.").wait_played()
 
         status, headers, body = await _http_get(server.url + "/healthz")
         health = orjson.loads(body)
@@ -370,13 +389,14 @@ async def test_healthz_metrics_and_static(fake_engine: FakeSpeechEngine, make_ga
 
 async def test_formats_and_rates(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
     async with make_gateway(fake_engine) as server:
-        c = await Client.open(server.ws_url, fast_playback=True)
-        s = await c.start(sample_rate=8000, format="mulaw", voice=1234, language="en",
-                          options={"temperature": 0.1, "seed": 7})
+        t = Transcript()
+        c = fast_client(server.ws_url, t, sample_rate_hz=8000, format="mulaw", voice=1234, language="en",
+                        options={"temperature": 0.1, "seed": 7})
+        s = await c.connect()
         assert s["sample_rate"] == 8000 and s["format"] == "mulaw"
-        await c.speak("Telephone quality audio.")
-        done = await c.wait_for("utterance.done")
-        frames = c.utterance_frames(1)
+        await c.speak("Telephone quality audio.").wait_played()
+        done = await t.wait_for("utterance.done")
+        frames = t.utterance_frames(1)
         assert all(f.header.format is P.AudioFormat.MULAW for f in frames)
         assert sum(len(f.payload) for f in frames) == done["samples"] == fake_engine.expected_samples(
             "Telephone quality audio.", 8000)
@@ -391,83 +411,81 @@ async def test_formats_and_rates(fake_engine: FakeSpeechEngine, make_gateway: Ga
 async def test_flow_window_holds_back_audio_and_engine(make_gateway: GatewayFactory):
     engine = FakeSpeechEngine(speed=100.0)
     async with make_gateway(engine, limits={"flow_window_ms": 500}) as server:
-        c = await Client.open(server.ws_url)
-        await c.start()
-        await c.send({"type": "playback", "played_samples": 0, "buffered_ms": 0})
-        await c.speak(" ".join(["A long sentence to produce plenty of audio for the test."] * 6))
+        t = Transcript()
+        c = quiet_client(server.ws_url, t)  # it reports its playhead itself (send_playback)
+        await c.connect()
+        await c.send_playback(0)
+        c.speak(" ".join(["A long sentence to produce plenty of audio for the test."] * 6))
         window = int(0.5 * 24_000)
-        with pytest.raises(TimeoutError):
-            while True:
-                await c.recv_one(within_s=0.4)
+        await t.until_quiet(0.4)
         assert 0 < c.received_samples <= window  # never more than the window ahead of the playhead
         chunks = engine.chunks_made
         await asyncio.sleep(0.3)
         assert engine.chunks_made == chunks  # the engine is not pulled while there is no credit
-        await c.send({"type": "playback", "played_samples": c.received_samples, "buffered_ms": 0})
-        await c.recv_one(within_s=2)
-        with pytest.raises(TimeoutError):
-            while True:
-                await c.recv_one(within_s=0.4)
+        await c.send_playback(c.received_samples)
+        await t.next_arrival(within_s=2)
+        await t.until_quiet(0.4)
         assert window < c.received_samples <= 2 * window
-        c.fast_playback = True
-        await c.send({"type": "playback", "played_samples": c.received_samples})
-        done = await c.wait_for("utterance.done")
-        assert done["samples"] == c.received_samples
+        done = asyncio.create_task(t.wait_for("utterance.done"))
+        while not done.done():  # now a listener that keeps up
+            await c.send_playback(c.received_samples)
+            await asyncio.sleep(0.01)
+        assert (await done)["samples"] == c.received_samples
         await c.close()
 
 
 async def test_engine_errors(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
     async with make_gateway(fake_engine) as server:
-        c = await Client.open(server.ws_url, fast_playback=True)
-        await c.start()
-        await c.speak(f"This part fails {fake_engine.fail_marker} right away. More text", end=False)
-        err = await c.wait_for("error")
+        t = Transcript()
+        c = fast_client(server.ws_url, t)  # no retry of the overloaded one
+        await c.connect()
+        await c.send_text(f"This part fails {fake_engine.fail_marker} right away. More text")
+        err = await t.wait_for("error")
         assert err["code"] == "engine_error" and err["utterance_id"] == 1 and err["fatal"] is False
-        await c.speak(" that is ignored.")
-        done = await c.wait_for("utterance.done")
+        await c.send_text(" that is ignored.")
+        await c.end()
+        done = await t.wait_for("utterance.done")
         assert done["status"] == "error" and done["error"] == "engine_error"
-        await c.speak(f"Overloaded {fake_engine.overload_marker} now.")
-        assert (await c.wait_for("error"))["code"] == "engine_overloaded"
-        assert (await c.wait_for("utterance.done"))["status"] == "error"
-        await c.speak("The session still works.")
-        assert (await c.wait_for("utterance.done"))["status"] == "ok"
-        await c.speak(f"Engine {fake_engine.crash_marker} dies.")
-        err = await c.wait_for("error")
+        c.speak(f"Overloaded {fake_engine.overload_marker} now.")
+        assert (await t.wait_for("error"))["code"] == "engine_overloaded"
+        assert (await t.wait_for("utterance.done"))["status"] == "error"
+        c.speak("The session still works.")
+        assert (await t.wait_for("utterance.done"))["status"] == "ok"
+        c.speak(f"Engine {fake_engine.crash_marker} dies.")
+        err = await t.wait_for("error")
         assert err["code"] == "engine_unavailable" and err["fatal"] is True
-        with pytest.raises(ConnectionClosed):
-            await c.recv_one(within_s=3)
-        assert c.ws.close_code == 1011
+        assert (await t.wait_closed(within_s=3))[0] == 1011
+        await c.close()
         assert await wait_until(lambda: fake_engine.health().running_requests == 0)
 
 
 async def test_graceful_shutdown(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
     async with make_gateway(fake_engine) as server:
-        c = await Client.open(server.ws_url, fast_playback=True)
-        await c.start()
-        await c.speak("An answer that is being spoken when the server is asked to stop.")
-        await c.recv_one()
+        t = Transcript()
+        c = fast_client(server.ws_url, t)  # no reconnect after the 1012
+        await c.connect()
+        c.speak("An answer that is being spoken when the server is asked to stop.")
+        await t.next_arrival()
         stopping = asyncio.create_task(server.shutdown(grace_s=5))
-        done = await c.wait_for("utterance.done")  # the utterance finishes
+        done = await t.wait_for("utterance.done")  # the utterance finishes
         assert done["status"] == "ok"
-        with pytest.raises(ConnectionClosed):
-            while True:
-                await c.recv_one(within_s=3)
-        assert c.ws.close_code == 1012
+        assert (await t.wait_closed(within_s=3))[0] == 1012
         await stopping
-        with pytest.raises(OSError):
-            await Client.open(server.ws_url)
+        await c.close()
+        with pytest.raises(VoicegwError) as ei:  # nobody listens any more
+            await quiet_client(server.ws_url).connect()
+        assert ei.value.code == "handshake_failed" and "status" not in ei.value.detail
 
 
 async def test_shutdown_deadline_aborts(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory):
     async with make_gateway(fake_engine) as server:
-        c = await Client.open(server.ws_url)
-        await c.start()
-        await c.speak("An utterance whose text never ends", end=False)
+        t = Transcript()
+        c = quiet_client(server.ws_url, t)
+        await c.connect()
+        await c.send_text("An utterance whose text never ends")
         t0 = time.monotonic()
         await server.shutdown(grace_s=0.3)
         assert time.monotonic() - t0 < 3
-        with pytest.raises(ConnectionClosed):
-            while True:
-                await c.recv_one(within_s=3)
-        assert c.ws.close_code == 1012
+        assert (await t.wait_closed(within_s=3))[0] == 1012
         assert fake_engine.health().running_requests == 0
+        await c.close()

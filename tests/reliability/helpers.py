@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
 from gateway.server import GatewayServer
 from tests.gateway.conftest import wait_until
-from tests.gateway.wsclient import Client
+from tests.transcript import fast_client
 
 
 async def assert_still_serving(server: GatewayServer, text: str = "Still here, and still speaking.",
-                               **open_kw: object) -> None:
-    """A fresh, well-behaved client gets a session and a complete utterance."""
-    c = await Client.open(server.ws_url, fast_playback=True, **open_kw)  # type: ignore[arg-type]
-    try:
-        await c.start()
-        await c.speak(text)
-        done = await c.wait_for("utterance.done", within_s=30)
-        assert done["status"] == "ok" and done["samples"] > 0, done
-        assert not c.errors(), c.errors()
-    finally:
-        await c.close()
+                               token: str | None = None) -> None:
+    """A fresh, well-behaved client (the product's) gets a session and a complete utterance."""
+    async with fast_client(server.ws_url, token=token) as c:
+        stats = await asyncio.wait_for(c.speak(text).wait_played(), 30)
+        assert stats.status == "ok" and stats.server_samples, stats
+        assert not c.errors, c.errors
 
 
 async def assert_drained(server: GatewayServer, within_s: float = 5.0) -> None:

@@ -231,6 +231,18 @@ class RawConn:
             if f.opcode == OP_CLOSE:
                 raise ConnectionError(f"closed {f.close_code} {f.close_reason!r}")
 
+    async def wait_json(self, mtype: str, within_s: float = 10.0, **match: object) -> dict[str, object]:
+        """Read until a text message of this type (and these field values); others are skipped."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError(f"no {mtype} within {within_s} s")
+            m = await self.read_json(left)
+            if m.get("type") == mtype and all(m.get(k) == v for k, v in match.items()):
+                return m
+
     async def expect_close(self, within_s: float = 5.0) -> tuple[int, str]:
         """Read until the server's close frame: (code, reason); (1006, "") when the TCP
         connection ends without one. Answers the close like a client should."""

@@ -10,18 +10,20 @@ import socket
 import string
 import time
 
+import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.exceptions import ConnectionClosed
+from websockets.typing import Subprotocol
 
+from clients.python import VoicegwError
 from gateway import protocol as P
 from gateway.app import configure_logging
 from gateway.server import GatewayServer
 from loadtest.simengine import FakeSpeechEngine
 from tests.gateway.conftest import GatewayFactory, wait_until
-from tests.gateway.wsclient import Client
 from tests.reliability.helpers import assert_drained, assert_still_serving
 from tests.reliability.rawws import (
     OP_BINARY,
@@ -31,11 +33,13 @@ from tests.reliability.rawws import (
     handshake_request,
     read_http_response,
 )
+from tests.transcript import Transcript, fast_client, quiet_client
 from voicegw.config import GatewayConfig
 
 TOKEN = "s3cret-Token_0123456789"
 AUTH = {"auth_tokens": (TOKEN,)}
 OK_HEADERS = {"Authorization": f"Bearer {TOKEN}"}
+TOKEN_SUBPROTOCOLS = [Subprotocol(P.SUBPROTOCOL), Subprotocol(P.TOKEN_SUBPROTOCOL_PREFIX + TOKEN)]
 
 
 async def _status(port: int, *, path: str = P.WS_PATH, headers: dict[str, str] | None = None,
@@ -88,20 +92,16 @@ async def test_missing_or_invalid_token_is_401(headers: dict[str, str], subproto
 @pytest.mark.parametrize("how", ["header", "subprotocol", "query"])
 async def test_valid_token_each_way(how: str, make_gateway: GatewayFactory):
     async with make_gateway(FakeSpeechEngine(), gateway=AUTH) as server:
-        kw: dict[str, object] = {}
-        url = server.ws_url
-        if how == "header":
-            kw["additional_headers"] = OK_HEADERS
-        elif how == "subprotocol":
-            kw["subprotocols"] = [P.SUBPROTOCOL, P.TOKEN_SUBPROTOCOL_PREFIX + TOKEN]
-        else:
-            url += f"?token={TOKEN}"
-        c = await Client.open(url, fast_playback=True, **kw)  # type: ignore[arg-type]
-        assert c.ws.subprotocol == P.SUBPROTOCOL  # the token subprotocol is never echoed back
-        await c.start()
-        await c.speak("Authorized.")
-        assert (await c.wait_for("utterance.done"))["status"] == "ok"
-        await c.close()
+        if how == "subprotocol":  # the Python client sends its token as a header: a raw socket here
+            async with connect(server.ws_url, subprotocols=TOKEN_SUBPROTOCOLS, compression=None) as ws:
+                assert ws.subprotocol == P.SUBPROTOCOL  # the token subprotocol is never echoed back
+                await ws.send(orjson.dumps({"type": "session.start"}).decode())
+                assert orjson.loads(await ws.recv())["type"] == "session.started"
+            return
+        url, token = (server.ws_url, TOKEN) if how == "header" else (server.ws_url + f"?token={TOKEN}", None)
+        async with fast_client(url, token=token) as c:
+            assert c.ws is not None and c.ws.subprotocol == P.SUBPROTOCOL
+            assert (await c.speak("Authorized.").wait_played()).status == "ok"
 
 
 async def test_http_routes_do_not_need_a_token_but_ws_does(make_gateway: GatewayFactory):
@@ -262,21 +262,19 @@ def door_server() -> object:
 
 async def test_session_cap_503_then_admits_again(make_gateway: GatewayFactory):
     async with make_gateway(FakeSpeechEngine(), limits={"max_sessions": 3}) as server:
-        clients = [await Client.open(server.ws_url) for _ in range(3)]
+        clients = [quiet_client(server.ws_url) for _ in range(3)]
         for c in clients:
-            await c.start()
+            await c.connect()
         status, hdrs, _ = await _status(server.port)
         assert status == 503 and hdrs["retry-after"] == "1"
-        with pytest.raises(InvalidStatus) as ei:
-            await Client.open(server.ws_url)
-        assert ei.value.response.status_code == 503
+        with pytest.raises(VoicegwError) as ei:
+            await quiet_client(server.ws_url).connect()
+        assert ei.value.code == "handshake_failed" and ei.value.detail["status"] == 503
         await clients[0].close()
         assert await wait_until(lambda: len(server.connections) == 2)
-        c = await Client.open(server.ws_url, fast_playback=True)
-        await c.start()
-        await c.speak("Admitted after a seat freed up.")
-        assert (await c.wait_for("utterance.done"))["status"] == "ok"
-        for x in [c, *clients[1:]]:
+        async with fast_client(server.ws_url) as c:
+            assert (await c.speak("Admitted after a seat freed up.").wait_played()).status == "ok"
+        for x in clients[1:]:
             await x.close()
         await assert_drained(server)
 
@@ -290,17 +288,16 @@ async def test_concurrent_handshakes_never_exceed_the_cap(make_gateway: GatewayF
 
         async def one() -> str:
             nonlocal peak
+            c = quiet_client(server.ws_url)
             try:
-                c = await Client.open(server.ws_url)
-            except InvalidStatus as e:
-                return str(e.response.status_code)
+                await c.connect()
+            except VoicegwError as e:  # refused at the handshake (HTTP status), or closed at the start
+                return str(e.detail.get("status") or e.detail.get("code"))
             try:
-                await c.start()
-            except ConnectionClosed:
-                return str(c.ws.close_code)
-            peak = max(peak, len(server.connections))
-            await asyncio.sleep(0.3)
-            await c.close()
+                peak = max(peak, len(server.connections))
+                await asyncio.sleep(0.3)
+            finally:
+                await c.close()
             return "ok"
 
         outcomes = await asyncio.gather(*(one() for _ in range(40)))
@@ -315,8 +312,8 @@ async def test_concurrent_handshakes_never_exceed_the_cap(make_gateway: GatewayF
 async def test_message_flood_closes_1008_and_spares_others(make_gateway: GatewayFactory):
     limits = {"max_messages_per_s": 50.0}
     async with make_gateway(FakeSpeechEngine(), limits=limits) as server:
-        bystander = await Client.open(server.ws_url, fast_playback=True)
-        await bystander.start()
+        bystander = fast_client(server.ws_url)
+        await bystander.connect()
         conn = await RawConn.open("127.0.0.1", server.port)
         await conn.send_json({"type": "session.start"})
         await conn.read_json()
@@ -327,42 +324,39 @@ async def test_message_flood_closes_1008_and_spares_others(make_gateway: Gateway
         assert (code, reason) == (1008, P.CloseReason.MESSAGE_FLOOD.value)
         await conn.close()
         assert await wait_until(lambda: len(server.connections) == 1)
-        await bystander.speak("The bystander is unaffected.")
-        assert (await bystander.wait_for("utterance.done"))["status"] == "ok"
+        assert (await bystander.speak("The bystander is unaffected.").wait_played()).status == "ok"
         await bystander.close()
         await assert_drained(server)
 
 
 async def test_binary_flood_closes_1008(make_gateway: GatewayFactory):
     async with make_gateway(FakeSpeechEngine(), limits={"max_messages_per_s": 20.0}) as server:
-        c = await Client.open(server.ws_url)
-        await c.start()
+        t = Transcript()
+        c = quiet_client(server.ws_url, t)
+        await c.connect()
+        ws = c.ws
+        assert ws is not None
         with contextlib.suppress(ConnectionClosed):
             for _ in range(200):
-                await c.ws.send(b"\x00" * 64)
-        with pytest.raises(ConnectionClosed):
-            while True:
-                await c.recv_one(within_s=5)
-        assert c.ws.close_code == 1008 and c.ws.close_reason == P.CloseReason.MESSAGE_FLOOD.value
+                await ws.send(b"\x00" * 64)  # raw: the client itself never sends binary
+        assert await t.wait_closed(5) == (1008, P.CloseReason.MESSAGE_FLOOD.value)
+        await c.close()
         await assert_drained(server)
 
 
 async def test_text_rate_abuse_closes_1008(make_gateway: GatewayFactory):
     limits = {"max_chars_per_s": 100.0, "max_messages_per_s": 1000.0}
     async with make_gateway(FakeSpeechEngine(), limits=limits) as server:
-        c = await Client.open(server.ws_url)
-        await c.start()
-        with contextlib.suppress(ConnectionClosed):
+        t = Transcript()
+        c = quiet_client(server.ws_url, t)
+        await c.connect()
+        with contextlib.suppress(VoicegwError):
             for _ in range(40):
-                await c.send({"type": "text.delta", "text": "x" * 90 + " "})
-        codes = []
-        with pytest.raises(ConnectionClosed):
-            while True:
-                m = await c.recv_one(within_s=5)
-                if isinstance(m, dict) and m["type"] == "error":
-                    codes.append(m["code"])
+                await c.send_text("x" * 90 + " ")
+        assert await t.wait_closed(5) == (1008, P.CloseReason.RATE_LIMIT.value)
+        codes = [m["code"] for m in t.errors()]
         assert "rate_limited" in codes and set(codes) <= {"rate_limited"}
-        assert c.ws.close_code == 1008 and c.ws.close_reason == P.CloseReason.RATE_LIMIT.value
+        await c.close()
         await assert_drained(server)
         await assert_still_serving(server)
 
@@ -371,17 +365,16 @@ async def test_oversize_utterance_is_refused_not_buffered(make_gateway: GatewayF
     """A client cannot make the server hold more than max_utterance_chars of text per utterance."""
     limits = {"max_utterance_chars": 1000, "max_chars_per_s": 1e6, "max_messages_per_s": 1e4}
     async with make_gateway(FakeSpeechEngine(), limits=limits) as server:
-        c = await Client.open(server.ws_url)
-        await c.start()
+        t = Transcript()
+        c = quiet_client(server.ws_url, t)
+        await c.connect()
         for _ in range(20):
-            await c.send({"type": "text.delta", "text": "word " * 100})  # 500 chars each
-        errors: list[str] = []
-        while len(errors) < 18:
-            m = await c.recv_one(within_s=5)
-            if isinstance(m, dict) and m["type"] == "error":
-                errors.append(m["code"])
-        assert set(errors) == {"text_too_long"}
+            await c.send_text("word " * 100)  # 500 chars each
+        assert await wait_until(lambda: len(t.errors()) >= 18, within_s=5), t.types()
+        assert {m["code"] for m in t.errors()} == {"text_too_long"}
+        assert c.ws is not None
         c.ws.transport.abort()
+        await c.close()
         await assert_drained(server)
 
 
@@ -430,17 +423,19 @@ async def test_tokens_and_text_are_not_logged(make_gateway: GatewayFactory):
         cap.setFormatter(root.handlers[0].formatter)
         root.addHandler(cap)
         async with make_gateway(FakeSpeechEngine(), gateway=AUTH) as server:
-            for kw in ({"additional_headers": OK_HEADERS},
-                       {"subprotocols": [P.SUBPROTOCOL, P.TOKEN_SUBPROTOCOL_PREFIX + TOKEN]}):
-                c = await Client.open(server.ws_url, fast_playback=True, **kw)  # type: ignore[arg-type]
-                await c.start()
-                await c.speak(f"Say this: {secret_text}.")
-                await c.wait_for("utterance.done")
-                await c.close()
-            c = await Client.open(server.ws_url + f"?token={TOKEN}")
-            await c.close()
-            with pytest.raises(InvalidStatus):
-                await Client.open(server.ws_url, additional_headers={"Authorization": f"Bearer {TOKEN}-wrong"})
+            async with fast_client(server.ws_url, token=TOKEN) as c:  # the token as a header
+                await c.speak(f"Say this: {secret_text}.").wait_played()
+            async with connect(server.ws_url, subprotocols=TOKEN_SUBPROTOCOLS, compression=None) as ws:
+                for m in ({"type": "session.start"}, {"type": "text.delta", "text": f"Say this: {secret_text}."},
+                          {"type": "text.end"}):
+                    await ws.send(orjson.dumps(m).decode())
+                async for m in ws:  # no playback reports: real-time pacing, a short sentence
+                    if isinstance(m, str) and orjson.loads(m)["type"] == "utterance.done":
+                        break
+            async with quiet_client(server.ws_url + f"?token={TOKEN}"):
+                pass
+            with pytest.raises(VoicegwError):
+                await quiet_client(server.ws_url, token=f"{TOKEN}-wrong").connect()
             await assert_drained(server)
         text = "\n".join(cap.lines)
         assert cap.lines, "nothing captured"
@@ -531,7 +526,7 @@ async def test_http_door_refuses_hostile_requests(request_bytes: bytes, expected
         assert resp.status == expected
         assert not resp.conflicting_length
         assert not server.connections
-        await assert_still_serving(server, additional_headers=OK_HEADERS)
+        await assert_still_serving(server, token=TOKEN)
 
 
 async def test_http_door_drops_a_stalled_body(make_gateway: GatewayFactory):
@@ -602,7 +597,7 @@ async def test_unauthenticated_dialect_socket_cannot_hold_seats(make_gateway: Ga
             assert [code for code, _ in closes] == [1008, 1008], closes
             assert took < 5.0, took  # open_timeout_s (1 s) + scheduling slack; idle_timeout_s is 300 s
             assert await wait_until(lambda: not server.connections, within_s=2)
-            await assert_still_serving(server, additional_headers=OK_HEADERS)
+            await assert_still_serving(server, token=TOKEN)
         finally:
             for c in squatters:
                 c.abort()

@@ -13,7 +13,7 @@ from typing import Any
 
 from clients.python import Client, ClientEvent, RetryPolicy
 from gateway.server import GatewayServer
-from tests.gateway.wsclient import Client as RawClient
+from tests.transcript import Transcript, quiet_client
 from voicegw.config import Config, EngineConfig, GatewayConfig, SchedulerConfig
 
 ANSWER = "This answer goes on for quite a while, sentence after sentence, holding the one slot. " * 6
@@ -33,10 +33,11 @@ async def test_overload_is_retried_after_the_hinted_wait(speech_engine: Any, tmp
     server = GatewayServer(config, speech_engine, static_dir=tmp_path)
     await server.start()
     try:
-        busy = await RawClient.open(server.ws_url)  # never reports playback: its stream holds the slot
-        await busy.start()
-        await busy.speak(ANSWER)
-        await busy.wait_for("segment.started", within_s=60)
+        bt = Transcript()
+        busy = quiet_client(server.ws_url, bt)  # never reports playback: its stream holds the slot
+        await busy.connect()
+        busy.speak(ANSWER)
+        await bt.wait_for("segment.started", within_s=60)
         events: list[ClientEvent] = []
         freed = asyncio.Event()
 
@@ -50,8 +51,7 @@ async def test_overload_is_retried_after_the_hinted_wait(speech_engine: Any, tmp
             u = c.speak("Hello there, may I speak now?")
             await asyncio.wait_for(freed.wait(), 60)
             t_refused = time.monotonic()
-            await busy.send({"type": "cancel"})  # the slot frees while the client waits
-            await busy.wait_for("cancelled")
+            await busy.cancel()  # the slot frees while the client waits
             pcm = await asyncio.wait_for(u.collect(), 120)
         refusals = [m for m in c.errors if m.get("code") == "engine_overloaded"]
         assert refusals and all(isinstance(m.get("retry_after_ms"), int) for m in refusals), c.errors

@@ -29,9 +29,10 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from clients.python import Client
 from tests.gateway.conftest import GatewayFactory, wait_until
-from tests.gateway.wsclient import Client
 from tests.reliability.helpers import children, cmdline, fd_count, rss_bytes
+from tests.transcript import Transcript, fast_client, quiet_client
 
 pytestmark = pytest.mark.vllm
 
@@ -127,13 +128,15 @@ async def test_abrupt_disconnects_leave_no_request_in_vllm(vllm_parts: tuple[Any
     async with make_gateway(speech, limits={"max_sessions": 64}) as server:
 
         async def one(i: int) -> None:
-            c = await Client.open(server.ws_url)
-            await c.start(voice=i)
-            await c.speak(f"Client {i} talks. " + TEXT, end=False)
+            t = Transcript()
+            c = quiet_client(server.ws_url, t, voice=i)
+            await c.connect()
+            await c.send_text(f"Client {i} talks. " + TEXT)
             if i % 2 == 0:
-                while not c.frames:
-                    await c.recv_one(within_s=60)
+                await t.wait_audio(within_s=60)
+            assert c.ws is not None
             c.ws.transport.abort()
+            await c.close()
 
         await asyncio.gather(*(one(100 + i) for i in range(4)))  # warm-up
         assert await wait_until(lambda: speech.health().running_requests == 0, within_s=10)
@@ -153,11 +156,8 @@ async def test_abrupt_disconnects_leave_no_request_in_vllm(vllm_parts: tuple[Any
         assert fds1 <= fds0 + 2
         assert rss1 - rss0 < 64 << 20  # the test process: decoder/vLLM client arenas included
         # and the engine still works
-        c = await Client.open(server.ws_url, fast_playback=True)
-        await c.start()
-        await c.speak("Still working.")
-        assert (await c.wait_for("utterance.done", within_s=60))["status"] == "ok"
-        await c.close()
+        async with fast_client(server.ws_url) as c:
+            assert (await asyncio.wait_for(c.speak("Still working.").wait_played(), 60)).status == "ok"
 
 
 async def test_speaker_bomb_does_not_stall_other_sessions(vllm_parts: tuple[Any, Any], make_gateway: GatewayFactory):
@@ -171,22 +171,21 @@ async def test_speaker_bomb_does_not_stall_other_sessions(vllm_parts: tuple[Any,
         pytest.skip("engine left dead by an earlier test")
     bomb = largest_bomb()
     async with make_gateway(speech) as server:
-        bystander = await Client.open(server.ws_url)
-        await bystander.start()
-        attacker = await Client.open(server.ws_url)
-        await attacker.start(voice=bomb)
+        bystander = quiet_client(server.ws_url)
+        await bystander.connect()
+        attacker = quiet_client(server.ws_url, voice=bomb)
+        await attacker.connect()
 
         async def attack() -> None:
             for _ in range(3):
-                await attacker.speak("Hi.")
-                await attacker.wait_for("utterance.done", within_s=60)
+                u = attacker.speak("Hi.")
+                await asyncio.wait_for(u.done.wait(), 60)  # refused or spoken: either way done
 
         task = asyncio.create_task(attack())
         worst = 0.0
         while not task.done():
             t0 = time.monotonic()
-            await bystander.send({"type": "ping", "id": "rtt"})
-            await bystander.wait_for("pong", within_s=30, id="rtt")
+            await asyncio.wait_for(bystander.ping(), 30)
             worst = max(worst, time.monotonic() - t0)
             await asyncio.sleep(0.02)
         await task
@@ -203,41 +202,42 @@ async def _crash_scenario(server: Any, speech: Any, code: Any) -> dict[str, Any]
     A session is affected when vLLM still tracks one of its requests at the kill (a segment whose
     generation already ended in vLLM is delivered from the buffer and survives): each affected
     session must get ``engine_unavailable`` and close 1011 within 1 s; the others stay open."""
-    streaming = []
+    streaming: list[tuple[Client, Transcript]] = []
     for i in range(3):
-        c = await Client.open(server.ws_url)  # no playback reports: real-time pacing, stays busy
-        await c.start(voice=100 + i)
-        await c.speak(TEXT + " " + TEXT, end=False)
-        streaming.append(c)
-    idle = await Client.open(server.ws_url, fast_playback=True)
-    await idle.start()
-    for c in streaming:
-        while not c.frames:
-            await c.recv_one(within_s=60)
+        t = Transcript()
+        c = quiet_client(server.ws_url, t, voice=100 + i)  # no playback reports: real-time pacing, stays busy
+        await c.connect()
+        await c.send_text(TEXT + " " + TEXT)
+        streaming.append((c, t))
+    idle = fast_client(server.ws_url)
+    await idle.connect()
+    for _, t in streaming:
+        await t.wait_audio(within_s=60)
     pids = engine_core_pids(code)
     assert len(pids) == 1, pids
     live = vllm_request_ids(code)
-    affected = [c for c in streaming if any(r.startswith(f"{(c.started or {}).get('session_id')}-") for r in live)]
+    affected = [(c, t) for c, t in streaming
+                if any(r.startswith(f"{(c.session or {}).get('session_id')}-") for r in live)]
     assert affected, f"no request in flight in vLLM at the kill: {live}"
     t_kill = time.monotonic()
     os.kill(pids[0], signal.SIGKILL)
 
-    async def fate(c: Client) -> tuple[float, float, int | None, str | None]:
+    async def fate(t: Transcript) -> tuple[float, float, int | None, str | None]:
         """(error latency, close latency, close code, error code)"""
         t_err = t_close = float("nan")
         code_: str | None = None
         with contextlib.suppress(Exception):
-            err = await c.wait_for("error", within_s=5)
+            err = await t.wait_for("error", within_s=5)
             code_ = err["code"]
             t_err = time.monotonic() - t_kill
             assert err["fatal"] is True, err
+        close_code: int | None = None
         with contextlib.suppress(Exception):
-            while True:
-                await c.recv_one(within_s=5)
+            close_code = (await t.wait_closed(within_s=5))[0]
         t_close = time.monotonic() - t_kill
-        return t_err, t_close, c.ws.close_code, code_
+        return t_err, t_close, close_code, code_
 
-    fates = await asyncio.gather(*(fate(c) for c in affected))
+    fates = await asyncio.gather(*(fate(t) for _, t in affected))
     status, body = await _healthz(server)
     t_health = time.monotonic() - t_kill
     _report("engine-core-sigkill", streaming_sessions=len(streaming), affected_sessions=len(affected),
@@ -251,9 +251,8 @@ async def _crash_scenario(server: Any, speech: Any, code: Any) -> dict[str, Any]
     assert await wait_until(lambda: speech.health().running_requests == 0, within_s=2)
     # the idle session (and any streaming one without work in vLLM) is untouched
     assert len(server.connections) == 1 + len(streaming) - len(affected)
-    for c in streaming:
-        if c not in affected:
-            await c.close()
+    for c, _ in streaming:
+        await c.close()
     return {"pids": pids, "t_kill": t_kill, "idle": idle}
 
 
@@ -287,16 +286,14 @@ async def test_engine_core_killed_mid_stream_then_recovery(vllm_parts: tuple[Any
         assert new_pids and set(new_pids).isdisjoint(st["pids"])
         status, _ = await _healthz(server)
         assert status == 200
-        c = await Client.open(server.ws_url, fast_playback=True)
-        await c.start()
-        await c.speak("A new session after the crash.")
-        done = await c.wait_for("utterance.done", within_s=90)
+        async with fast_client(server.ws_url) as c:
+            stats = await asyncio.wait_for(c.speak("A new session after the crash.").wait_played(), 90)
         serving_s = time.monotonic() - st["t_kill"]
-        assert done["status"] == "ok" and done["samples"] > 0
-        await c.close()
+        assert stats.status == "ok" and stats.server_samples, stats
         idle: Client = st["idle"]
-        await idle.speak("The idle session speaks again after the engine came back.")
-        assert (await idle.wait_for("utterance.done", within_s=90))["status"] == "ok"
+        stats = await asyncio.wait_for(idle.speak("The idle session speaks again after the engine came back.")
+                                       .wait_played(), 90)
+        assert stats.status == "ok", stats
         await idle.close()
         CRASH["recovered"] = True
         assert await wait_until(lambda: vllm_unfinished(code) == 0, within_s=5)

@@ -338,28 +338,35 @@ REGRESS_TEXT = "Numbers like 3.14 and 1,000 stay whole. Then we train the model 
 
 
 async def _utterances_with_reports(server: Any, played_of: Any, n: int, within_s: float) -> list[float]:
-    from tests.gateway.wsclient import Client
-
-    c = await Client.open(server.ws_url)
-    await c.start()
+    """A raw client that answers every audio frame with a ``playback`` report of
+    ``played_of(samples of this utterance, samples of the session)``."""
+    c = await RawConn.open("127.0.0.1", server.port)
+    await c.send_json({"type": "session.start"})
+    await c.wait_json("session.started")
     took = []
     total = 0
     try:
         for _ in range(n):
             per_utt = 0
-            await c.speak(REGRESS_TEXT, piece_chars=4)
+            for i in range(0, len(REGRESS_TEXT), 4):
+                await c.send_json({"type": "text.delta", "text": REGRESS_TEXT[i:i + 4]})
+            await c.send_json({"type": "text.end"})
             t0 = time.monotonic()
             deadline = t0 + within_s
             while True:
-                m = await c.recv_one(within_s=max(0.01, deadline - time.monotonic()))
-                if isinstance(m, dict):
+                f = await c.read_frame(max(0.01, deadline - time.monotonic()))
+                if f.opcode == OP_TEXT:
+                    m = orjson.loads(f.payload)
                     if m["type"] == "utterance.done":
                         assert m["status"] == "ok"
                         break
                     continue
-                per_utt += m.samples
-                total += m.samples
-                await c.send({"type": "playback", "played_samples": played_of(per_utt, total)})
+                if f.opcode != OP_BINARY:
+                    continue
+                samples = len(P.unpack_audio_frame(f.payload)[1]) // 2
+                per_utt += samples
+                total += samples
+                await c.send_json({"type": "playback", "played_samples": played_of(per_utt, total)})
             took.append(time.monotonic() - t0)
     finally:
         await c.close()

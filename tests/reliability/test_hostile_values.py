@@ -25,7 +25,7 @@ from gateway import protocol as P
 from gateway.app import JsonFormatter
 from loadtest.simengine import FakeSpeechEngine
 from tests.gateway.conftest import GatewayFactory
-from tests.gateway.wsclient import Client
+from tests.transcript import fast_client
 from voicegw.config import LimitsConfig
 
 HIDDEN = 768  # ChatTTS GPT hidden size (speaker embedding length)
@@ -144,11 +144,8 @@ async def test_session_log_lines_are_bounded(make_gateway: GatewayFactory) -> No
     logger.addHandler(lines)
     try:
         async with make_gateway(FakeSpeechEngine()) as server:
-            c = await Client.open(server.ws_url, fast_playback=True)
-            await c.start(voice="v" * P.MAX_VOICE_CHARS, language="x" * 16)
-            await c.speak("Hello.")
-            await c.wait_for("utterance.done")
-            await c.close()
+            async with fast_client(server.ws_url, voice="v" * P.MAX_VOICE_CHARS, language="x" * 16) as c:
+                await c.speak("Hello.").wait_played()
     finally:
         logger.removeHandler(lines)
         logger.setLevel(old_level)
