@@ -6,7 +6,7 @@ worker processes can hand them back and ``metrics`` can aggregate them.
 
 The protocol is the product's Python client's (``clients.python.Client``: connect, session,
 ``text.delta``/``text.end``, ``cancel``, ``playback`` reports, receiving); a session records
-through its recorder hook (``clients.python.recorder.ClientRecorder``) and plays the audio on
+through its recorder hook (``clients.python.client.ClientRecorder``) and plays the audio on
 its own simulated listener (``ClockedPlayout``, ``playback="none"``, no audio kept).
 
 Clock: ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for all processes of the machine), so
@@ -26,9 +26,8 @@ from urllib.parse import urlsplit
 
 import websockets
 
-from clients.python.client import NO_RETRY, Client, Utterance, VoicegwError
+from clients.python.client import NO_RETRY, Client, ClientRecorder, Utterance, VoicegwError
 from clients.python.playout import ClockedPlayout
-from clients.python.recorder import ClientRecorder
 from gateway import protocol as P
 from loadtest.netguard import check_local_url
 from loadtest.plan import MAX_UTTERANCES_PER_SESSION, SessionPlan, UtterancePlan, tokenize

@@ -10,6 +10,7 @@ from clients.python.client import (
     AudioChunk,
     Client,
     ClientEvent,
+    ClientRecorder,
     PlaybackMode,
     RetryPolicy,
     SegmentPlay,
@@ -21,7 +22,6 @@ from clients.python.client import (
 )
 from clients.python.commands import chat, say
 from clients.python.playout import Playout
-from clients.python.recorder import ClientRecorder
 from clients.python.wav import WavWriter, read_wav, write_wav
 
 __all__ = [
