@@ -53,9 +53,12 @@ def engine_kind() -> str:
 async def gateway(speech_engine: Any) -> AsyncIterator[Any]:
     """The real gateway (gateway.server.GatewayServer) in this event loop, on a random port."""
     from gateway.server import GatewayServer
-    from voicegw.config import Config, GatewayConfig
+    from voicegw.config import Config, GatewayConfig, SessionConfig
 
-    server = GatewayServer(Config(gateway=GatewayConfig(host="127.0.0.1", port=0)), speech_engine)
+    # The tiny random checkpoint stops at random (a sentence can end after 0.1 s of audio): the
+    # floor on audio per text unit gives the tests' texts the length their assertions need.
+    cfg = Config(gateway=GatewayConfig(host="127.0.0.1", port=0), session=SessionConfig(min_audio_ms_per_unit=32.0))
+    server = GatewayServer(cfg, speech_engine)
     await server.start()
     yield server
     await server.shutdown(grace_s=1.0)
