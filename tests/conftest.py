@@ -166,6 +166,11 @@ async def speech_engine(_session_code_engine: Any, request: pytest.FixtureReques
 
         eng = build_speech_engine(Config(engine=EngineConfig(backend=ENGINE_KIND, device="cpu")))
     await eng.start()
+    # as `voicegw serve` does once its engine is up: a full GC of the start-up heap (torch, vLLM,
+    # Playwright in this process) would stall the in-process gateways' event loop for seconds
+    from gateway.app import freeze_startup_heap
+
+    freeze_startup_heap()
     yield eng
     await eng.close()
 
