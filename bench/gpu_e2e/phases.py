@@ -244,7 +244,7 @@ def _drive_gateway(args: argparse.Namespace, res: Results, budget: Budget, gw: G
         ("steady", n, max(args.duration, args.level1_duration) if n == 1 else args.duration, args.settle, None)
         for n in steady_levels]
     if key == "e2e":
-        plan += [("steady", n, args.duration, args.settle, r) for n, r in getattr(args, "ramp_levels", [])]
+        plan += [("steady", n, args.duration, args.settle, r) for n, r in args.ramp_levels]
     plan += [("closed-loop", n, args.compare_duration, args.settle, None) for n in compare]
     if key == "burst":
         plan = [("burst", args.burst_sessions, args.duration, args.settle, None)]
