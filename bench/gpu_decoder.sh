@@ -8,7 +8,8 @@
 #   the gateway at 256, then the burst: 64 newcomers while 192 sessions play).
 # DECODER=0 skips the decoder bench; PHASES_B=burst runs only the burst in call B; SPY=0 no py-spy
 # in call B; EXACT_S>0 adds the exact-mode levels 1,64 after either call; ALT_ARGS="engine.X=V ..." adds
-# (call C) a second gateway with those settings, levels ALT_SESSIONS (default 1,64), for a same-call A/B.
+# (call C) a second gateway with those settings, levels ALT_SESSIONS (default 1,64), for a same-call A/B
+# (ALT_THROUGHPUT=N: its closed loop too, N sessions).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -51,7 +52,7 @@ if [ "$PHASE" = A ] || [ "$PHASE" = C ]; then
     M=$(python3 -c "print(round(($(left) - 20 - ${EXACT_S:-0}) / 60, 2))")
     GA=(); for a in $ALT_ARGS; do GA+=(--gateway-arg "$a"); done
     timeout $(( $(left) - 8 - ${EXACT_S:-0} )) python3 -m bench.gpu_e2e --phases e2e --fresh --sessions "${ALT_SESSIONS:-1,64}" --duration 12 --settle 5 \
-      --compare-concurrency "" --throughput-sessions 0 --warmup-s 4 --max-minutes "$M" --out "$RES/alt" ${E2E_ARGS:-} "${GA[@]}" > "$RES/alt.log" 2>&1
+      --compare-concurrency "" --throughput-sessions "${ALT_THROUGHPUT:-0}" --warmup-s 4 --max-minutes "$M" --out "$RES/alt" ${E2E_ARGS:-} "${GA[@]}" > "$RES/alt.log" 2>&1
     echo "alt gpu_e2e ($ALT_ARGS) rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
   fi
   if [ "${EXACT_S:-0}" -gt 0 ] && [ "$(left)" -gt 150 ]; then  # exact mode: seg-TTFA beside the default

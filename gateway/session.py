@@ -7,8 +7,9 @@ No asyncio, no sockets: ``gateway/server.py`` carries the actions out and feeds 
 Time comes in as ``now_s`` (monotonic seconds).
 
 Audio path: text -> Segmenter (per utterance) -> at most ``max_in_flight`` segments in flight, in
-text order -> each stream holds at most ``prefetch`` of pulled audio -> the head stream's audio is
-cut into frames and sent while FlowControl gives credit. The server pulls a stream's engine
+text order, of which at most ``max_generating`` still generating -> each stream holds at most
+``prefetch`` of pulled audio -> the head stream's audio is cut into frames and sent while
+FlowControl gives credit. The server pulls a stream's engine
 iterator only while ``may_pull`` is true, so a client that does not play stops the decoding.
 
 Utterances are spoken one after the other: an utterance opens with the first non-empty
@@ -471,7 +472,7 @@ class Session:
         if not self._streams:
             deadlines.append(self._last_activity_s + self._idle_timeout_s)
         if self.started:
-            if len(self._streams) < self.settings.max_in_flight:
+            if self._may_submit():
                 utt = self._segmenting_utterance()
                 if utt is not None and utt.failed is None:
                     d = utt.segmenter.deadline_s(now_s, idle=not self._streams)
@@ -718,8 +719,16 @@ class Session:
                 return u
         return None
 
+    def _may_submit(self) -> bool:
+        """Room for another segment: fewer than ``max_in_flight`` unsent and fewer than
+        ``max_generating`` still generating."""
+        st = self.settings
+        if len(self._streams) >= st.max_in_flight:
+            return False
+        return sum(1 for s in self._streams if s.generating) < st.max_generating
+
     def _fill(self, now_s: float, out: list[Action]) -> None:
-        while len(self._streams) < self.settings.max_in_flight:
+        while self._may_submit():
             utt = self._segmenting_utterance()
             if utt is None or utt.failed is not None:
                 return
