@@ -30,6 +30,7 @@ class ChatTTSLogitsProcessor(LogitsProcessor):
         # A new input batch (vLLM may rebuild it) starts empty.
         self.state.row_slot_host[:] = self.state.scratch
         self.state.row_slot.fill_(self.state.scratch)
+        self.state.rows_on_device = 0
         self.state.batch_size = 0
 
     @classmethod

@@ -151,6 +151,9 @@ class DeviceState:
         #: its device state; a new request in the slot initialises it).
         self.slot_gen_host = np.zeros(s, dtype=np.int64)
         self.batch_size = 0
+        #: Rows of the device ``row_slot`` that may hold a slot (the rest are scratch): an update
+        #: uploads only this prefix, not all ``max_rows``.
+        self.rows_on_device = 0
         #: Device counters: sampled frames, recomputed code tokens, steps (read by worker_stats).
         self.counters = torch.zeros(3, dtype=torch.int64, device=device)
         self.host_stats = {"requests": 0, "resumed": 0, "readded": 0, "evicted": 0}
@@ -218,7 +221,10 @@ class DeviceState:
         rows[self.batch_size :] = scratch
         if new:
             self._init_slots(new)
-        self.row_slot.copy_(self._upload(rows, torch.int64), non_blocking=True)
+        # rows past both the old and the new batch are scratch on the device already
+        n = min(self.max_rows, max(self.rows_on_device, self.batch_size))
+        self.row_slot[:n].copy_(self._upload(rows[:n], torch.int64), non_blocking=True)
+        self.rows_on_device = min(self.max_rows, self.batch_size)
 
     def _init_slots(self, new: list[tuple[RequestParams, int]]) -> None:
         """Device state of newly arrived requests (vectorised over the arrivals)."""
