@@ -721,11 +721,13 @@ class Session:
 
     def _may_submit(self) -> bool:
         """Room for another segment: fewer than ``max_in_flight`` unsent and fewer than
-        ``max_generating`` still generating."""
+        ``max_generating`` still generating, an utterance's first segment not counted (it is
+        short, for a fast first audio: its audio alone does not cover the next segment's time to
+        first audio under load, so the second one generates beside it)."""
         st = self.settings
         if len(self._streams) >= st.max_in_flight:
             return False
-        return sum(1 for s in self._streams if s.generating) < st.max_generating
+        return sum(1 for s in self._streams if s.generating and s.seg.index > 0) < st.max_generating
 
     def _fill(self, now_s: float, out: list[Action]) -> None:
         while self._may_submit():

@@ -278,9 +278,12 @@ class SessionConfig(_Checked):
     gaps, and a client that does not play cannot make the engine run further ahead."""
     max_generating: int = 1
     """Of those, segments the engine is still generating (their audio not all taken from the
-    engine): the next segment is submitted once the current one has all its audio, while that
-    audio is still being sent (up to ``limits.flow_window_ms`` + ``prefetch_ms`` ahead of
-    playback). One per session keeps vLLM's running batch at one request per speaking session."""
+    engine), an utterance's first segment not counted: from the second segment on, the next one
+    is submitted once the current one has all its audio, while that audio is still being sent
+    (up to ``limits.flow_window_ms`` + ``prefetch_ms`` ahead of playback). The short first
+    segment has the second generating beside it (its audio alone is too short to cover the next
+    segment's time to first audio under load). One keeps vLLM's running batch near one request
+    per speaking session."""
     frame_ms: float = 40.0
     """Longest audio frame sent."""
     prefetch_ms: float = 1_000.0

@@ -141,24 +141,21 @@ def test_start_and_stream_one_utterance():
     assert not h.s.busy
 
 
-def test_next_segment_is_submitted_when_the_current_one_has_all_its_audio():
+def test_later_segments_are_submitted_once_the_current_one_has_all_its_audio():
     h = Harness(limits={"flow_window_ms": 500}, max_in_flight=2, max_generating=1)
     h.start()
-    acts = h.msg({"type": "text.delta", "text": "First clause here, then a whole sentence follows. "})
-    (s1,) = starts(acts)  # one generating at a time
-    rid = s1.request.request_id
-    assert not starts(h.audio(rid, 300))  # still generating: nothing more submitted
-    acts = h.audio(rid, 600, finished=True)  # all its audio is in; most of it is still unsent
-    (s2,) = starts(acts)
-    assert s2.request.request_id.endswith("-1-1")
-    assert h.s.running_requests == [s2.request.request_id]
-    # the next text waits: two in flight (one sending, one generating)
+    text = "First clause here, then a whole sentence follows. "
+    s1, s2 = starts(h.msg({"type": "text.delta", "text": text}))  # the short first one does not count
     assert not starts(h.msg({"type": "text.delta", "text": "And a third sentence that waits. "}))
-    acts = h.audio(s2.request.request_id, 500, finished=True)
-    assert not starts(acts)  # segment 0 is not all sent yet: max_in_flight holds
-    acts = h.timer(10.0)  # segment 0 played and sent out
+    assert not starts(h.audio(s1.request.request_id, 300, finished=True))
+    acts = h.timer(10.0)  # segment 0 played and retired; segment 1 still generating
+    assert not starts(acts)
+    acts = h.audio(s2.request.request_id, 900)
+    assert not starts(acts)
+    acts = h.audio(s2.request.request_id, 100, finished=True)  # all its audio in, most of it unsent
     (s3,) = starts(acts)
     assert s3.request.request_id.endswith("-1-2")
+    assert h.s.running_requests == [s3.request.request_id]
 
 
 def test_segments_are_pipelined_and_audio_stays_in_order():
@@ -219,8 +216,8 @@ def test_cancel_aborts_drops_and_accounts():
     h = Harness(limits={"flow_window_ms": 10_000})
     h.start()
     text = "Hello there, my friend. This is the second sentence here. "
-    (s1,) = starts(h.msg({"type": "text.delta", "text": text}))
-    (s2,) = starts(h.audio(s1.request.request_id, 1000, finished=True))  # "Hello there," takes 1 s
+    s1, s2 = starts(h.msg({"type": "text.delta", "text": text}))
+    h.audio(s1.request.request_id, 1000, finished=True)  # "Hello there," takes 1 s
     h.audio(s2.request.request_id, 400)
     acts = h.msg({"type": "cancel", "played_samples": 1200 * MS, "id": 9})
     aborts = [a for a in acts if isinstance(a, AbortStream)]
@@ -368,10 +365,10 @@ def test_queue_full_and_draining():
     acts = h.feed(h.s.on_shutdown(h.now))
     assert not any(isinstance(a, Close) for a in acts)
     # a new utterance is refused while draining; the queued ones finish, then 1012
-    (st,) = [a for a in h.actions if isinstance(a, StartStream)]
-    acts = h.audio(st.request.request_id, 10, finished=True)
-    (st,) = starts(acts)  # the second queued utterance, once the first has all its audio
-    acts = h.audio(st.request.request_id, 10, finished=True)
+    rids = [a.request.request_id for a in h.actions if isinstance(a, StartStream)]
+    assert len(rids) == 2
+    for rid in rids:
+        acts = h.audio(rid, 10, finished=True)
     assert messages(acts, "utterance.done")
     assert acts[-1] == Close(P.CloseCode.SERVICE_RESTART, P.CloseReason.SHUTDOWN)
 
