@@ -7,9 +7,9 @@ No asyncio, no sockets: ``gateway/server.py`` carries the actions out and feeds 
 Time comes in as ``now_s`` (monotonic seconds).
 
 Audio path: text -> Segmenter (per utterance) -> at most ``max_in_flight`` segments in flight, in
-text order, of which at most ``max_generating`` still generating -> each stream holds at most
-``prefetch`` of pulled audio -> the head stream's audio is cut into frames and sent while
-FlowControl gives credit. The server pulls a stream's engine
+text order, of which at most ``max_generating`` still generating (an utterance's first segment not
+counted) -> each stream holds at most ``prefetch`` of pulled audio -> the head stream's audio is
+cut into frames and sent while FlowControl gives credit. The server pulls a stream's engine
 iterator only while ``may_pull`` is true, so a client that does not play stops the decoding.
 
 Utterances are spoken one after the other: an utterance opens with the first non-empty
