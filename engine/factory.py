@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from engine.api import CodeEngine
 from voicegw.config import EngineConfig
@@ -12,12 +13,17 @@ class BackendUnavailable(RuntimeError):
     """The configured code backend cannot run here (message says why)."""
 
 
-def create_code_engine(cfg: EngineConfig, model_dir: str | Path) -> CodeEngine:
+def create_code_engine(cfg: EngineConfig, model_dir: str | Path, *, shared: Any = None) -> CodeEngine:
     """``vllm``, ``reference`` or ``synthetic`` (``auto`` means ``vllm``). The engine is not started.
 
     ``model_dir`` must hold a complete checkpoint in upstream layout
-    (see ``engine.model_dir.resolve_model_dir``).
+    (see ``engine.model_dir.resolve_model_dir``). ``shared``: an ``engine.vllm.engine.SharedClient``
+    (a client of an engine core another process launched: ``engine.vllm.group``; vLLM only).
     """
+    if shared is not None:
+        from engine.vllm.engine import VllmCodeEngine
+
+        return VllmCodeEngine(model_dir, cfg, shared=shared)
     backend = cfg.backend
     if backend in ("auto", "vllm"):
         try:

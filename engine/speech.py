@@ -104,12 +104,19 @@ class ChatTTSSpeech:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        # A client of an engine core launched by another process (engine.vllm.group) connects
+        # first: that returns once the engine core is up, KV cache sized, so the decoder's GPU
+        # memory is not taken while vLLM measures what it may use.
+        shared = getattr(self._code, "shared", None) is not None
+        if shared:
+            await self._code.start()
         await self._decoder.start()
         geo = self._decoder.geometry
         assert geo is not None
         self.policy = chunk_policy(self._cfg, geo.exact_lookahead_steps)
         self.exact = self.policy.lookahead_steps >= geo.exact_lookahead_steps
-        await self._code.start()
+        if not shared:
+            await self._code.start()
         if self.restart_on_crash and callable(getattr(self._code, "restart", None)) and self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch(), name="code engine watchdog")
 

@@ -20,6 +20,7 @@ import email.utils
 import hmac
 import logging
 import mimetypes
+import os
 import secrets
 import socket
 from collections import deque
@@ -177,6 +178,7 @@ class GatewayServer:
             close_timeout=_CLOSE_WAIT_S,
             server_header="voicegw",
             create_connection=dialects.front_connection(self),  # POST /v1/audio/speech: gateway/dialects
+            reuse_port=g.processes > 1,  # engine.vllm.group: the kernel spreads connections
         )
         sock = self._ws.sockets[0]
         self.port = sock.getsockname()[1]
@@ -337,6 +339,7 @@ class GatewayServer:
                 "running_requests": h.running_requests,
                 "sessions": len(self.connections),
                 "draining": self.draining,
+                "pid": os.getpid(),  # which gateway process answered (gateway.processes > 1)
             }
         except Exception:
             log.exception("engine health failed")

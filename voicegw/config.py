@@ -59,6 +59,11 @@ class GatewayConfig(_Checked):
     """Address to bind."""
     port: int = 8765
     """TCP port for WebSocket, demo page, /healthz and /metrics."""
+    processes: int = 1
+    """Gateway processes (sessions, flow control, WebSocket I/O, each with its own decoder
+    process) sharing the port (``SO_REUSEPORT``) and one vLLM engine core through vLLM's
+    multi-client front end (``engine.vllm.group``). 1: one process. Above 1 needs the ``vllm``
+    backend; ``limits.max_sessions`` then applies per process."""
     auth_tokens: tuple[str, ...] = ()
     """Bearer tokens accepted (header ``Authorization: Bearer``, subprotocol ``voicegw.token.<t>``
     or query ``?token=``). Empty: no auth (development only)."""
@@ -86,6 +91,10 @@ class GatewayConfig(_Checked):
     loop's lag (max and mean of 20 ms probes) and the engine's rates (requests, first outputs and
     their mean time, GPT steps, decoder jobs and their mean time) over the interval
     (``gateway.monitor``). 0: off (the lag histogram of ``/metrics`` stays)."""
+
+    def _cross_check(self) -> None:
+        if self.processes > 1 and self.port == 0:
+            self._fail("processes", "more than one process needs a fixed port (gateway.port 0 picks one per process)")
 
 
 CHATTTS_EXACT_LOOKAHEAD_STEPS = 52
@@ -348,6 +357,7 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
 }
 
 _POSITIVE: set[tuple[str, str]] = {
+    ("gateway", "processes"),
     ("gateway", "write_limit_bytes"),
     ("gateway", "send_timeout_ms"),
     ("engine", "max_num_seqs"),

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from engine.api import SpeechEngine
 from voicegw.config import Config
@@ -20,8 +21,9 @@ from voicegw.config import Config
 log = logging.getLogger("voicegw")
 
 
-def build_speech_engine(cfg: Config) -> SpeechEngine:
-    """An unstarted ``SpeechEngine`` for ``cfg.engine`` (see the module docstring)."""
+def build_speech_engine(cfg: Config, *, shared: Any = None) -> SpeechEngine:
+    """An unstarted ``SpeechEngine`` for ``cfg.engine`` (see the module docstring). ``shared``:
+    a client of the group's engine core (``engine.vllm.group``)."""
     from engine._compat import ensure_torch_companions
 
     ensure_torch_companions()  # before anything imports transformers, vocos or chattts
@@ -49,7 +51,7 @@ def build_speech_engine(cfg: Config) -> SpeechEngine:
                 import torch
 
                 torch.set_num_threads(ecfg.decoder_torch_threads)
-            code = create_code_engine(ecfg, model_dir)
+            code = create_code_engine(ecfg, model_dir, shared=shared)
             code_backend = code.name
             device = ecfg.decoder_device or getattr(code, "device", "cpu")
             decoder = build_decoder(ecfg, str(model_dir), device=str(device))
@@ -69,12 +71,34 @@ def serve(cfg: Config) -> int:
     if problem:  # before the engine's start (tens of seconds), not after
         log.error("cannot listen on %s:%d: %s", cfg.gateway.host, cfg.gateway.port, problem)
         return 2
+    if cfg.gateway.processes > 1:
+        return _serve_group(cfg)
     try:
         speech = build_speech_engine(cfg)
     except Exception as exc:  # noqa: BLE001 - startup failure: one clear line, exit 2
         log.error("cannot start the engine: %s", exc)
         return 2
     return run_gateway(cfg, speech)
+
+
+def _serve_group(cfg: Config) -> int:
+    """``gateway.processes`` > 1: the launcher/supervisor of ``engine.vllm.group``."""
+    from engine._compat import ensure_torch_companions
+    from engine.model_dir import resolve_model_dir
+
+    ensure_torch_companions()
+    try:
+        if cfg.engine.backend not in ("auto", "vllm"):
+            raise ValueError(f"gateway.processes > 1 needs engine.backend vllm, not {cfg.engine.backend!r}")
+        model_dir = resolve_model_dir(cfg.engine.model_dir, allow_download=cfg.engine.download)
+        from engine.vllm._env import prepare
+
+        prepare()
+        from engine.vllm.group import serve_group
+    except Exception as exc:  # noqa: BLE001 - startup failure: one clear line, exit 2
+        log.error("cannot start %d gateway processes: %s", cfg.gateway.processes, exc)
+        return 2
+    return serve_group(cfg, str(model_dir))
 
 
 def _port_problem(host: str, port: int) -> str | None:

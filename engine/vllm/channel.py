@@ -98,18 +98,35 @@ def unpack(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class FrameTable:
-    """The front end's side: the table, its slots and generations (one per code engine)."""
+    """The front end's side: the table, its slots and generations (one per code engine).
 
-    def __init__(self, slots: int, frames: int) -> None:
-        if slots < 1 or frames < 1:
-            raise ValueError("frame table needs at least one slot and one frame")
-        path = new_path("frames")
-        self.spec = TableSpec(path, slots, frames)
-        self._mm, flat = map_file(path, self.spec.nbytes, create=True)
-        self.table = flat.reshape(self.spec.rows, frames)
-        self._free: deque[int] = deque(range(slots))
+    One front end creates the table and hands out all its slots; front ends sharing one engine
+    core (``gateway.processes``) each map the table the launching process created
+    (:meth:`attach_range`) and hand out a disjoint range of slots, each with its own generations
+    (an entry is checked against slot and generation, so ranges never mix)."""
+
+    def __init__(self, slots: int, frames: int, *, spec: TableSpec | None = None,
+                 slot_range: tuple[int, int] | None = None) -> None:
+        if spec is None:
+            if slots < 1 or frames < 1:
+                raise ValueError("frame table needs at least one slot and one frame")
+            spec = TableSpec(new_path("frames"), slots, frames)
+            self._mm, flat = map_file(spec.path, spec.nbytes, create=True)
+        else:
+            self._mm, flat = map_file(spec.path, spec.nbytes, create=False)
+        self.spec = spec
+        self.table = flat.reshape(spec.rows, spec.frames)
+        lo, hi = slot_range if slot_range is not None else (0, spec.slots)
+        if not 0 <= lo < hi <= spec.slots:
+            raise ValueError(f"slot range {lo}..{hi} outside the table's {spec.slots} slots")
+        self._free: deque[int] = deque(range(lo, hi))
         self._gen = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @classmethod
+    def attach_range(cls, spec: TableSpec, lo: int, hi: int) -> FrameTable:
+        """Map a table another process created; hand out slots ``lo .. hi-1`` only."""
+        return cls(0, 0, spec=spec, slot_range=(lo, hi))
 
     @property
     def free_slots(self) -> int:
@@ -163,11 +180,13 @@ class FrameTable:
             return None
         return codes
 
-    def close(self) -> None:
-        try:
-            os.unlink(self.spec.path)
-        except FileNotFoundError:
-            pass
+    def close(self, *, unlink: bool = True) -> None:
+        """Unmap; ``unlink``: also remove the file (its creator; a front end that attached keeps it)."""
+        if unlink:
+            try:
+                os.unlink(self.spec.path)
+            except FileNotFoundError:
+                pass
         try:
             self._mm.close()
         except BufferError:  # a view still exported (read results are copies; be safe)

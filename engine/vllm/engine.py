@@ -41,7 +41,7 @@ from engine.api import (
 from engine.prompt import CodeModelInfo, PromptBuilder
 from engine.speaker import ResolvedSpeaker, SpeakerError, resolve_speaker
 from engine.vllm._env import child_env, prepare
-from engine.vllm.channel import ENV_KEY, FrameTable
+from engine.vllm.channel import ENV_KEY, FrameTable, TableSpec
 from engine.vllm.state import EXTRA_KEY, RequestParams, encode_vector
 from voicegw.config import EngineConfig
 
@@ -57,6 +57,28 @@ _FRAME_WAIT_S = 2.0
 @dataclasses.dataclass
 class _Live:
     aborted: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedClient:
+    """This front end's share of an engine core launched by another process
+    (:mod:`engine.vllm.group`): vLLM's multi-client front end, one client per gateway process."""
+
+    client_config: dict[str, Any]
+    """What vLLM's ``AsyncLLM`` takes as ``client_addresses`` (its ZMQ endpoints, index, count)."""
+    index: int
+    """This client's index, ``0 .. count-1``."""
+    count: int
+    """Front ends sharing the engine core."""
+    table_env: str
+    """The frame table (``TableSpec.to_env``), created by the launching process."""
+    slot_lo: int
+    """First frame-table slot this front end hands out."""
+    slot_hi: int
+    """One past its last slot (slot ranges of the clients do not overlap)."""
+    loads: Any
+    """``multiprocessing.RawArray('q', count)``: requests each front end holds (summed for
+    ``health().running_requests``, which admission control reads as the engine's load)."""
 
 
 def _detect_device(cfg: EngineConfig) -> str:
@@ -97,8 +119,12 @@ class VllmCodeEngine:
         kv_cache_bytes: int | None = None,
         engine_args: dict[str, Any] | None = None,
         warmup: bool = True,
+        shared: SharedClient | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
+        self.shared = shared
+        #: vLLM request ids must be unique over every front end of a shared engine core.
+        self._rid_prefix = f"c{shared.index}-" if shared is not None else ""
         self.cfg = cfg
         self._kv_cache_bytes = kv_cache_bytes
         self._extra_args = dict(engine_args or {})
@@ -181,25 +207,13 @@ class VllmCodeEngine:
         if self._llm is not None:
             return
         t0 = time.monotonic()
+        if self._table is None and self.shared is not None:
+            sh = self.shared
+            self._table = FrameTable.attach_range(TableSpec.from_env(sh.table_env), sh.slot_lo, sh.slot_hi)
         if self._table is None:
             # Outlives engine restarts: the new engine-core processes map it again.
             self._table = FrameTable(self.frame_table_slots(), min(self.cfg.max_model_len, self.info.max_positions))
-        env: dict[str, str | None] = {
-            "VLLM_USE_V2_MODEL_RUNNER": "0",
-            ENV_KEY: self._table.spec.to_env(),
-            **child_env(),
-        }
-        if self.device != "cpu" and importlib.util.find_spec("flashinfer") is None:
-            env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-        if self.device == "cpu" and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
-            # Cores kept out of the worker's spinning OpenMP pool (EngineConfig.cpu_reserved_cores:
-            # the decoder and the gateway run there). The user's env setting wins.
-            reserved = max(0, self.cfg.cpu_reserved_cores)
-            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(min(reserved, max(0, (os.cpu_count() or 1) - 1)))
-        if self.device == "cpu":
-            # The legacy VLLM_CPU_KVCACHE_SPACE overrides kv_cache_memory_bytes inside vLLM; our
-            # size (EngineConfig.kv_cache_gib or the constructor's kv_cache_bytes) must win.
-            env["VLLM_CPU_KVCACHE_SPACE"] = None  # removed while vLLM starts
+        env: dict[str, str | None] = {**self.launch_env(), ENV_KEY: self._table.spec.to_env(), **child_env()}
         self._llm = await asyncio.to_thread(self._construct, env)
         self._dead = None
         t1 = time.monotonic()
@@ -212,6 +226,23 @@ class VllmCodeEngine:
             "vLLM code engine ready in %.1f s (engine %.1f s, warm-up %.1f s; %s, vLLM %s)",
             self.start_seconds, t1 - t0, t2 - t1, self.device, _vllm_version(),
         )
+
+    def launch_env(self) -> dict[str, str | None]:
+        """Environment the engine-core processes start with (None: removed), besides the frame
+        table's ``ENV_KEY`` and ``child_env()``."""
+        env: dict[str, str | None] = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+        if self.device != "cpu" and importlib.util.find_spec("flashinfer") is None:
+            env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        if self.device == "cpu" and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
+            # Cores kept out of the worker's spinning OpenMP pool (EngineConfig.cpu_reserved_cores:
+            # the decoder and the gateway run there). The user's env setting wins.
+            reserved = max(0, self.cfg.cpu_reserved_cores)
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(min(reserved, max(0, (os.cpu_count() or 1) - 1)))
+        if self.device == "cpu":
+            # The legacy VLLM_CPU_KVCACHE_SPACE overrides kv_cache_memory_bytes inside vLLM; our
+            # size (EngineConfig.kv_cache_gib or the constructor's kv_cache_bytes) must win.
+            env["VLLM_CPU_KVCACHE_SPACE"] = None  # removed while vLLM starts
+        return env
 
     def _construct(self, env: dict[str, str | None]) -> Any:
         prepare()
@@ -231,7 +262,9 @@ class VllmCodeEngine:
                 else:
                     os.environ[k] = val
             try:
-                return AsyncLLM.from_engine_args(self.engine_args())
+                if self.shared is None:
+                    return AsyncLLM.from_engine_args(self.engine_args())
+                return self._connect(AsyncLLM)
             finally:
                 for k, v in saved.items():
                     if k == "VLLM_USE_V2_MODEL_RUNNER":
@@ -240,6 +273,38 @@ class VllmCodeEngine:
                         os.environ.pop(k, None)
                     else:
                         os.environ[k] = v
+
+    def _connect(self, async_llm: Any) -> Any:
+        """A client of the engine core another process launched (``SharedClient``)."""
+        from vllm.usage.usage_lib import UsageContext
+
+        sh = self.shared
+        assert sh is not None
+        args = self.engine_args()
+        args._api_process_count = sh.count
+        args._api_process_rank = sh.index
+        vllm_config = args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        return async_llm.from_vllm_config(
+            vllm_config,
+            disable_log_stats=True,
+            client_addresses=sh.client_config,
+            client_count=sh.count,
+            client_index=sh.index,
+        )
+
+    def _set_live(self, rid: str, live: _Live | None) -> None:
+        if live is None:
+            self._live.pop(rid, None)
+        else:
+            self._live[rid] = live
+        if self.shared is not None:
+            self.shared.loads[self.shared.index] = len(self._live)
+
+    def running_requests(self) -> int:
+        """Requests the engine core holds: this front end's, plus the other front ends' when shared."""
+        if self.shared is None:
+            return len(self._live)
+        return int(sum(self.shared.loads))
 
     async def _warm(self) -> None:
         """Short requests that run first-use paths before real traffic: greedy and sampled, with
@@ -270,7 +335,11 @@ class VllmCodeEngine:
     async def restart(self) -> None:
         """A new engine core (warm-up included) for a dead one. Callers are serialized: one that
         waited while another restarted finds the engine healthy and returns (two restarts at once
-        would shut down the engine the other just built, minutes later, under live traffic)."""
+        would shut down the engine the other just built, minutes later, under live traffic).
+        A shared engine core is restarted by the process that launched it, never by a client."""
+        if self.shared is not None:
+            raise EngineError("the shared engine core is restarted by its launching process",
+                              EngineErrorKind.UNRECOVERABLE)
         async with self._restart_lock:
             if self._llm is not None and self.health().healthy:
                 return
@@ -280,7 +349,7 @@ class VllmCodeEngine:
     async def close(self) -> None:
         await self._shutdown()
         if self._table is not None:
-            self._table.close()
+            self._table.close(unlink=self.shared is None)
             self._table = None
 
     async def _shutdown(self) -> None:
@@ -447,16 +516,16 @@ class VllmCodeEngine:
 
         live = _Live()
         rid = request.request_id
-        self._live[rid] = live
+        self._set_live(rid, live)
         try:
             slot, gen = await table.acquire()
         except BaseException:
-            self._live.pop(rid, None)
+            self._set_live(rid, None)
             raise
         try:
             prompt, sp = self.build(request, slot, gen, side_codes=side_codes, cache_salt=cache_salt)
         except BaseException:
-            self._live.pop(rid, None)
+            self._set_live(rid, None)
             table.release(slot)
             raise
         k = 0 if request.prefix_codes is None else len(request.prefix_codes)
@@ -464,7 +533,7 @@ class VllmCodeEngine:
         counters = self._counters
         counters["requests"] += 1
         stats: dict[str, Any] = {"prompt_tokens": len(prompt["prompt_token_ids"]), "steps": 0, "slot": slot}
-        stream = llm.generate(prompt, sp, rid)
+        stream = llm.generate(prompt, sp, self._rid_prefix + rid)
         finished = False
         try:
             async for out in stream:
@@ -517,7 +586,7 @@ class VllmCodeEngine:
                 raise EngineError(self._dead, EngineErrorKind.UNRECOVERABLE) from None
             raise EngineError(f"vLLM request failed: {exc!r}", EngineErrorKind.RECOVERABLE) from None
         finally:
-            self._live.pop(rid, None)
+            self._set_live(rid, None)
             stats["wall_s"] = time.monotonic() - t_submit
             self._stats[rid] = stats
             while len(self._stats) > _STATS_KEPT:
@@ -533,7 +602,7 @@ class VllmCodeEngine:
             live.aborted = True
         if self._llm is not None and not self._dead:
             try:
-                await self._llm.abort(request_id)
+                await self._llm.abort(self._rid_prefix + request_id)
             except Exception:  # noqa: BLE001 - abort of a finished/dead request
                 _log.debug("abort %s raised", request_id, exc_info=True)
 
@@ -544,11 +613,11 @@ class VllmCodeEngine:
     def health(self) -> EngineHealth:
         llm = self._llm
         if llm is None:
-            return EngineHealth(self.name, False, len(self._live), self._dead or "not started")
+            return EngineHealth(self.name, False, self.running_requests(), self._dead or "not started")
         if self._dead or llm.errored:
             self._dead = self._dead or "vLLM engine core died"
-            return EngineHealth(self.name, False, len(self._live), self._dead)
-        return EngineHealth(self.name, True, len(self._live), f"vLLM {_vllm_version()} on {self.device}",
+            return EngineHealth(self.name, False, self.running_requests(), self._dead)
+        return EngineHealth(self.name, True, self.running_requests(), f"vLLM {_vllm_version()} on {self.device}",
                             counters=dict(self._counters))
 
     async def worker_stats(self) -> dict[str, int]:

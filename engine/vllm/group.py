@@ -1,0 +1,243 @@
+"""Several gateway processes on one vLLM engine core (``gateway.processes`` > 1).
+
+One asyncio process carries sessions, flow control, WebSocket I/O and vLLM's output handling under
+one GIL; at a few hundred sessions it is the limit (bench/RESULTS.md). This module scales the
+front end out with vLLM's own multi-client front end (what ``vllm serve --api-server-count N``
+uses), not a broker of ours:
+
+```
+ voicegw serve (this process: launcher + supervisor, no sessions)
+   ├── vLLM engine-core process(es)   <- launch_core_engines(), N client endpoints (ZMQ)
+   ├── gateway process 0: asyncio, sessions, AsyncLLM(client_index=0), its decoder process
+   ├── ...                                       (SO_REUSEPORT: the kernel spreads connections)
+   └── gateway process N-1
+```
+
+* **Engine core**: launched here with vLLM's ``launch_core_engines`` for N clients; each gateway
+  process connects an ``AsyncLLM`` to it (``client_addresses``/``client_index``/``client_count``).
+  One batch, one KV cache, one scheduler for all sessions.
+* **Frame table** (:mod:`engine.vllm.channel`): created here before the engine core starts; each
+  gateway process hands out its own disjoint slot range. Request ids carry the client index.
+* **Load**: every gateway process writes the requests it holds into a shared array; each one's
+  ``health().running_requests`` (admission control's engine load) is the sum.
+* **Port**: every gateway process binds ``gateway.host:port`` with ``SO_REUSEPORT``. A client's
+  retry/resume is stateless on the server (the client resends from a segment boundary), so a
+  reconnect may land on any process.
+* **Decoder**: one decoder process per gateway process (``engine.decoder.worker``).
+* **Failure**: vLLM's front end cannot restart an engine core it did not launch. When the engine
+  core or any gateway process dies, this process stops the others (1012 to clients: reconnect and
+  resume) and exits 1, for the service manager to start the group again.
+* **Shutdown**: SIGINT/SIGTERM go to every gateway process (graceful drain, ``shutdown_grace_s``;
+  a second signal skips the grace), then the engine core stops.
+
+vLLM's launcher changed shape between releases (listeners bound by the launcher in 0.3x, ZMQ
+addresses bound by the clients in 0.26): :func:`_launch` speaks both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from engine.vllm.channel import ENV_KEY, FrameTable
+from engine.vllm.engine import SharedClient, VllmCodeEngine
+from voicegw.config import Config
+
+log = logging.getLogger("voicegw")
+
+#: Supervisor poll period: children and engine-core processes alive?
+_POLL_S = 0.5
+#: After the gateways' grace period, how long they may take to close before being killed.
+_EXIT_SLACK_S = 15.0
+
+
+def slots_per_client(max_num_seqs: int, count: int) -> int:
+    """Frame-table slots one of ``count`` front ends hands out: the single front end's
+    ``4 * max_num_seqs + 64`` shared out, each share keeping 64 spare (connections are spread by
+    a hash, not evenly)."""
+    return math.ceil(4 * max_num_seqs / count) + 64
+
+
+def _launch(vllm_config: Any, count: int, spawn: Callable[[list[dict[str, Any]]], list[Any]]) -> tuple[Any, Any, list[Any]]:
+    """Start vLLM's engine core(s) for ``count`` clients; ``spawn(client_configs)`` starts the
+    client processes while the engine starts (vLLM's handshake waits for both). Returns
+    (engine manager, DP coordinator or None, what ``spawn`` returned)."""
+    from vllm.v1.engine import utils as vu
+    from vllm.v1.executor import Executor
+
+    executor = Executor.get_class(vllm_config)
+    if hasattr(vu, "bind_engine_zmq_listeners"):  # vLLM 0.3x: the launcher binds, clients inherit
+        listeners = vu.bind_engine_zmq_listeners(vllm_config, count)
+        with vu.launch_core_engines(vllm_config, executor, False, listeners.addresses) as launch:
+            stats = launch.coordinator.get_stats_publish_address() if launch.coordinator else None
+            configs = []
+            for i, (inp, out) in enumerate(zip(listeners.inputs, listeners.outputs, strict=True)):
+                c: dict[str, Any] = {
+                    "input_address": inp.address, "output_address": out.address,
+                    "input_listener": inp.socket, "output_listener": out.socket,
+                    "client_count": count, "client_index": i,
+                }
+                if stats is not None:
+                    c["stats_update_address"] = stats
+                configs.append(c)
+            procs = spawn(configs)
+            for listener in (*listeners.inputs, *listeners.outputs):
+                listener.close()
+            launch.watched_frontend_processes = procs
+        return launch.engine_manager, launch.coordinator, procs
+    old: Any = vu  # vLLM 0.26 (the GPU hosts' release): the clients bind their addresses
+    addresses = old.get_engine_zmq_addresses(vllm_config, count)
+    launched: Any
+    with old.launch_core_engines(vllm_config, executor, False, addresses, count) as launched:
+        manager, coordinator, addrs = launched[0], launched[1], launched[2]
+        stats = coordinator.get_stats_publish_address() if coordinator else None
+        configs = []
+        for i in range(count):
+            c = {"input_address": addrs.inputs[i], "output_address": addrs.outputs[i],
+                 "client_count": count, "client_index": i}
+            if stats is not None:
+                c["stats_update_address"] = stats
+            configs.append(c)
+        procs = spawn(configs)
+    return manager, coordinator, procs
+
+
+def _gateway_process(cfg: Config, shared: SharedClient) -> None:
+    """One gateway process of the group (the target of a spawned process)."""
+    from gateway.app import configure_logging, run_gateway
+    from voicegw.runtime import build_speech_engine
+
+    configure_logging(cfg.gateway)
+    try:
+        speech = build_speech_engine(cfg, shared=shared)
+    except Exception as exc:  # noqa: BLE001 - one clear line, exit 2
+        log.error("gateway process %d: cannot build the engine: %s", shared.index, exc)
+        sys.exit(2)
+    sys.exit(run_gateway(cfg, speech))
+
+
+def serve_group(cfg: Config, model_dir: str) -> int:
+    """``voicegw serve`` with ``gateway.processes`` > 1 (see the module docstring). Returns the
+    exit code: 0 after a signal, 1 when a process of the group died, 2 when it could not start."""
+    from engine.vllm._env import child_env
+    from engine.vllm.plugin import register
+
+    n = cfg.gateway.processes
+    proto = VllmCodeEngine(model_dir, cfg.engine, warmup=False)
+    per = slots_per_client(cfg.engine.max_num_seqs, n)
+    table = FrameTable(per * n, min(cfg.engine.max_model_len, proto.info.max_positions))
+    for k, v in {**proto.launch_env(), ENV_KEY: table.spec.to_env(), **child_env()}.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    register()
+    from vllm.usage.usage_lib import UsageContext
+
+    args = proto.engine_args()
+    args._api_process_count = n
+    args._api_process_rank = -1
+    vllm_config = args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    ctx = multiprocessing.get_context("spawn")
+    loads = ctx.RawArray("q", n)
+
+    def spawn(configs: list[dict[str, Any]]) -> list[Any]:
+        procs = []
+        for i, c in enumerate(configs):
+            shared = SharedClient(c, i, n, table.spec.to_env(), i * per, (i + 1) * per, loads)
+            p = ctx.Process(target=_gateway_process, args=(cfg, shared), name=f"voicegw-gateway-{i}")
+            p.start()
+            procs.append(p)
+        return procs
+
+    stop = _Signals()
+    procs: list[Any] = []
+    manager = coordinator = None
+    try:
+        with stop.installed():
+            try:
+                manager, coordinator, procs = _launch(vllm_config, n, spawn)
+            except Exception as exc:  # noqa: BLE001 - startup failure: one clear line
+                log.error("cannot start the shared engine core: %s", exc)
+                _stop_all(procs, cfg, force=True)
+                return 2
+            log.info("%d gateway processes on one engine core (pids %s)", n, [p.pid for p in procs])
+            code = _supervise(procs, manager, stop, cfg)
+    finally:
+        for obj in (manager, coordinator):
+            if obj is not None:
+                with contextlib.suppress(Exception):
+                    obj.shutdown()
+        table.close()
+    return code
+
+
+class _Signals:
+    """SIGINT/SIGTERM counted, not raised (the supervisor loop forwards them)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        def on_signal(signum: int, frame: Any) -> None:
+            self.count += 1
+
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+def _engine_dead(manager: Any) -> bool:
+    procs = getattr(manager, "processes", None) or []
+    return any(not p.is_alive() for p in procs)
+
+
+def _supervise(procs: list[Any], manager: Any, stop: _Signals, cfg: Config) -> int:
+    forwarded = 0
+    deadline: float | None = None
+    while True:
+        if stop.count > forwarded:
+            forwarded = stop.count
+            for p in procs:
+                if p.is_alive() and p.pid:
+                    os.kill(p.pid, signal.SIGTERM)  # the first: drain; the second: skip the grace
+            if deadline is None:
+                deadline = time.monotonic() + cfg.gateway.shutdown_grace_s + _EXIT_SLACK_S
+        if stop.count:
+            if all(not p.is_alive() for p in procs):
+                return 0
+            if deadline is not None and time.monotonic() > deadline:
+                _stop_all(procs, cfg, force=True)
+                return 0
+        elif _engine_dead(manager) or any(not p.is_alive() for p in procs):
+            dead = [p.name for p in procs if not p.is_alive()]
+            log.error("the group lost %s; stopping the others",
+                      ", ".join(dead) if dead else "its engine core")
+            _stop_all(procs, cfg, force=False)
+            return 1
+        time.sleep(_POLL_S)
+
+
+def _stop_all(procs: list[Any], cfg: Config, *, force: bool) -> None:
+    for p in procs:
+        if p.is_alive() and p.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + (0 if force else cfg.gateway.shutdown_grace_s) + _EXIT_SLACK_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(5)

@@ -1,0 +1,146 @@
+"""``gateway.processes`` > 1 (``engine.vllm.group``): gateway processes sharing the port and one
+vLLM engine core through vLLM's multi-client front end. A real ``voicegw serve`` subprocess on the
+tiny checkpoint, real clients over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from tests.transcript import Transcript, fast_client
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(os.environ.get("VOICEGW_TEST_ENGINE", "vllm") != "vllm", reason="vLLM engine tests")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _health(port: int) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+            return dict(orjson.loads(r.read()))
+    except Exception:
+        return None
+
+
+async def _start(model_dir: Path, port: int, log: Path) -> asyncio.subprocess.Process:
+    args = [
+        "-m", "voicegw.cli", "serve", "--gateway.port", str(port), "--gateway.processes", "2",
+        "--gateway.shutdown_grace_s", "5", "--engine.backend", "vllm", "--engine.device", "cpu",
+        "--engine.model_dir", str(model_dir), "--engine.max_num_seqs", "16", "--engine.max_model_len", "512",
+        "--engine.enforce_eager", "true", "--engine.kv_cache_gib", "0.05", "--engine.default_speaker", "2222",
+    ]
+    out = log.open("wb")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=out, stderr=out, start_new_session=True,
+    )
+    pids: set[int] = set()
+    for _ in range(1200):  # 2 min: engine core + two gateways with their decoders
+        if proc.returncode is not None:
+            raise AssertionError(f"serve exited {proc.returncode}: {_text(log)[-3000:]}")
+        if _text(log).count("gateway listening on") >= 2:
+            h = await asyncio.to_thread(_health, port)
+            if h is not None:
+                pids.add(int(h["pid"]))
+                if len(pids) >= 2:
+                    return proc
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the group did not come up: {_text(log)[-3000:]}")
+
+
+async def _speak(port: int, text: str) -> Transcript:
+    t = Transcript()
+    c = fast_client(f"ws://127.0.0.1:{port}/ws", t)
+    await c.connect()
+    await c.send_text(text)
+    await c.end()
+    done = await t.wait_for("utterance.done", within_s=90)
+    assert done["status"] == "ok", done
+    await c.close()
+    return t
+
+
+def _text(path: Path) -> str:
+    return path.read_text()
+
+
+def _gone(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    return not status.exists() or "zombie" in status.read_text()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+async def test_gateway_processes_share_one_engine_core_and_the_port(tiny_model_dir: Path, tmp_path: Path) -> None:
+    port = _free_port()
+    proc = await _start(tiny_model_dir, port, tmp_path / "serve.log")
+    try:
+        # the kernel spreads connections over both processes; /healthz names the one answering
+        pids = {int(h["pid"]) for h in await asyncio.gather(*(asyncio.to_thread(_health, port) for _ in range(24))) if h}
+        assert len(pids) == 2
+        texts = [f"Session {i} says a short sentence. And then another one." for i in range(6)]
+        transcripts = await asyncio.gather(*(_speak(port, t) for t in texts))
+        for t in transcripts:
+            assert t.samples > 0
+            assert not t.errors()
+        assert "2 gateway processes on one engine core" in _text(tmp_path / "serve.log")
+        # both gateway processes generated through the one engine core
+        engine_cores = [p for p in _children(proc.pid) if "gateway" not in _cmdline(p)]
+        assert engine_cores
+        # graceful stop: SIGTERM to the launcher drains both gateways, then the engine core stops
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+        assert _text(tmp_path / "serve.log").count("gateway stopped") == 2
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+
+async def test_the_group_stops_when_its_engine_core_dies(tiny_model_dir: Path, tmp_path: Path) -> None:
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    proc = await _start(tiny_model_dir, port, log)
+    try:
+        gateways = [p for p in _children(proc.pid) if "spawn_main" in _cmdline(p)]
+        text = _text(log)
+        core = [int(line.split("pid=")[1].split(")")[0]) for line in text.splitlines() if line.startswith("(EngineCore pid=")]
+        assert core
+        os.kill(core[0], signal.SIGKILL)
+        rc = await asyncio.wait_for(proc.wait(), 60)
+        assert rc == 1
+        assert "stopping the others" in _text(log)
+        for p in gateways:
+            assert _gone(p)
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
