@@ -48,7 +48,7 @@ from engine.audio_format import SUPPORTED_RATES_HZ, StreamResampler, float_to_pc
 from engine.decoder.window import ChunkPolicy, StreamLead
 
 if TYPE_CHECKING:
-    from engine.decoder.client import DecoderClient
+    from engine.decoder.client import DecoderClient, SharedDecoder
     from voicegw.config import EngineConfig
 
 _log = logging.getLogger(__name__)
@@ -64,15 +64,16 @@ def chunk_policy(cfg: EngineConfig, exact_lookahead_steps: int) -> ChunkPolicy:
     return ChunkPolicy(cfg.first_chunk_steps, cfg.chunk_steps, la)
 
 
-def build_decoder(cfg: EngineConfig, model_dir: str, device: str = "cpu") -> DecoderClient:
-    """A (not yet started) client of a decoder process for ``model_dir``'s vocoder on ``device``."""
+def build_decoder(cfg: EngineConfig, model_dir: str, device: str = "cpu", attach: SharedDecoder | None = None) -> DecoderClient:
+    """A (not yet started) client of a decoder process for ``model_dir``'s vocoder on ``device``
+    (``attach``: a ``SharedDecoder``, its share of a decoder process another process started)."""
     from engine.decoder.client import DecoderClient, DecoderSettings
 
     return DecoderClient(DecoderSettings(
         model_dir=str(model_dir), use_hidden=bool(cfg.use_hidden_decoder), device=str(device),
         chunk_steps=cfg.chunk_steps, lookahead_steps=cfg.decoder_lookahead_steps, max_batch=cfg.decoder_max_batch,
         slots=2 * cfg.max_num_seqs + 32, max_steps=cfg.max_model_len, torch_threads=cfg.decoder_torch_threads,
-    ))
+    ), attach)
 
 
 class ChatTTSSpeech:

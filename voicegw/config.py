@@ -64,6 +64,9 @@ class GatewayConfig(_Checked):
     process) sharing the port (``SO_REUSEPORT``) and one vLLM engine core through vLLM's
     multi-client front end (``engine.vllm.group``). 1: one process. Above 1 needs the ``vllm``
     backend; ``limits.max_sessions`` then applies per process."""
+    shared_decoder: bool = True
+    """With ``processes`` > 1: one decoder process for all gateway processes (one batch, one CUDA
+    context beside the engine's) instead of one each."""
     auth_tokens: tuple[str, ...] = ()
     """Bearer tokens accepted (header ``Authorization: Bearer``, subprotocol ``voicegw.token.<t>``
     or query ``?token=``). Empty: no auth (development only)."""

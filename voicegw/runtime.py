@@ -54,7 +54,8 @@ def build_speech_engine(cfg: Config, *, shared: Any = None) -> SpeechEngine:
             code = create_code_engine(ecfg, model_dir, shared=shared)
             code_backend = code.name
             device = ecfg.decoder_device or getattr(code, "device", "cpu")
-            decoder = build_decoder(ecfg, str(model_dir), device=str(device))
+            decoder = build_decoder(ecfg, str(model_dir), device=str(device),
+                                    attach=getattr(shared, "decoder", None))
             log.info("engine: ChatTTS (%s) from %s", code_backend, model_dir)
             return ChatTTSSpeech(code, decoder, ecfg)
     from engine.espeak import EspeakSpeech

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.api import EngineError, EngineErrorKind
+from engine.api import SAMPLES_PER_STEP, EngineError, EngineErrorKind
 from engine.decoder.window import DecoderGeometry, Reach
 from engine.decoder.worker import (
     FLAG_FINAL,
@@ -172,8 +172,10 @@ class DecoderStream:
 class DecoderClient:
     """See the module docstring. ``start()`` before use, ``close()`` at the end."""
 
-    def __init__(self, settings: DecoderSettings) -> None:
+    def __init__(self, settings: DecoderSettings, attach: SharedDecoder | None = None) -> None:
         self.settings = settings
+        self.attach = attach
+        """Set: use this share of a decoder process another process started (``shared_plan``)."""
         self.geometry: DecoderGeometry | None = None
         self.info: dict[str, Any] = {}
         self.stats = DecoderStats()
@@ -183,7 +185,7 @@ class DecoderClient:
         self._sock: socket.socket | None = None
         self._mm: mmap.mmap | None = None
         self._out: np.ndarray | None = None
-        self._slots = [_Slot(i) for i in range(settings.slots)]
+        self._slots = [_Slot(i) for i in range(attach.slots if attach is not None else settings.slots)]
         self._free: deque[_Slot] = deque(self._slots)
         self._pending: dict[int, tuple[_Slot, asyncio.Future[tuple[int, int]]]] = {}
         self._stats_waiters: deque[asyncio.Future[dict[str, Any]]] = deque()
@@ -200,52 +202,51 @@ class DecoderClient:
 
     @property
     def healthy(self) -> bool:
-        return self.failed is None and self._proc is not None and self._proc.poll() is None
+        if self.failed is not None:
+            return False
+        if self.attach is not None:
+            return self._sock is not None
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def _out_cap_samples(self) -> int:
+        return self.out_cap_steps * SAMPLES_PER_STEP
 
     async def start(self) -> None:
-        if self._proc is not None:
+        if self._proc is not None or self._sock is not None:
             return
-        s = self.settings
         loop = asyncio.get_running_loop()
-        sps_guess = 512
-        out_cap = self.out_cap_steps * sps_guess
-        path = new_path("audio")
-        self._mm, flat = map_file(path, s.slots * out_cap * 4, create=True, dtype=np.float32)
-        self._out = flat.reshape(s.slots, out_cap)
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        for sk in (ours, theirs):
-            sk.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-            sk.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-        args = {
-            "fd": theirs.fileno(), "model_dir": s.model_dir, "use_hidden": s.use_hidden, "device": s.device,
-            "chunk_steps": s.chunk_steps, "lookahead_steps": s.lookahead_steps, "max_batch": s.max_batch,
-            "slots": s.slots, "max_steps": s.max_steps, "torch_threads": s.torch_threads,
-            "out_cap_steps": self.out_cap_steps, "shm_path": path,
-        }
-        env = {**os.environ, **s.env}
-        env.pop("VOICEGW_VLLM_BOOT", None)  # vLLM's child boot (set while an engine core starts) is not ours
-        py_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not p.endswith("_boot")]
-        env["PYTHONPATH"] = os.pathsep.join([_ROOT, *py_path])
-        try:
-            # Popen returns once the child is forked; the worker is watched through its socket
-            self._proc = subprocess.Popen(  # noqa: ASYNC220
-                [sys.executable, "-m", "engine.decoder.worker", json.dumps(args)], pass_fds=[theirs.fileno()], env=env
-            )
-        finally:
-            theirs.close()
+        path: str | None = None
+        if self.attach is not None:  # a decoder process shared by several gateway processes
+            a = self.attach
+            mm, flat = map_file(a.shm_path, a.total_slots * a.out_cap_samples * 4, create=False, dtype=np.float32)
+            self._mm = mm
+            self._out = flat.reshape(a.total_slots, a.out_cap_samples)[a.slot_lo : a.slot_lo + a.slots]
+            ours = a.sock
+        else:
+            path = new_path("audio")
+            self._mm, flat = map_file(path, self.settings.slots * self._out_cap_samples * 4, create=True, dtype=np.float32)
+            self._out = flat.reshape(self.settings.slots, self._out_cap_samples)
+            ours, theirs = _pair()
+            try:
+                self._proc = spawn_worker(self.settings, [theirs], path, self.settings.slots)
+            finally:
+                theirs.close()
         ours.setblocking(False)
         self._sock = ours
         self._ready = loop.create_future()
         loop.add_reader(ours.fileno(), self._on_readable)
         try:
-            info = await asyncio.wait_for(asyncio.shield(self._ready), s.start_timeout_s)
+            info = await asyncio.wait_for(asyncio.shield(self._ready), self.settings.start_timeout_s)
         except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            if path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             await self.close()
             raise
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # both sides have it mapped: nothing is left behind if either dies
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # both sides have it mapped: nothing is left behind if either dies
         self.info = info
         self.step_dim = int(info["step_dim"])
         self.lookahead_steps = int(info["lookahead_steps"])
@@ -255,7 +256,7 @@ class DecoderClient:
             stage_reaches=tuple(Reach(int(a), int(b)) for a, b in info["stage_reaches"]),
             n_fft=int(info["n_fft"]), hop=int(info["hop"]),
         )
-        if self.geometry.samples_per_step != sps_guess:
+        if self.geometry.samples_per_step != SAMPLES_PER_STEP:
             await self.close()
             raise EngineError(f"decoder geometry {self.geometry.samples_per_step} samples per step is not supported")
 
@@ -410,3 +411,66 @@ class DecoderClient:
             w = self._stats_waiters.popleft()
             if not w.done():
                 w.set_exception(err)
+
+
+@dataclass(frozen=True)
+class SharedDecoder:
+    """One gateway process's share of a decoder process several gateway processes use
+    (``engine.vllm.group``): its socket, the samples file, its slot rows there."""
+
+    sock: socket.socket
+    shm_path: str
+    total_slots: int
+    out_cap_samples: int
+    slot_lo: int
+    """This client's first row of the samples file (the worker adds it to the client's slots)."""
+    slots: int
+    """Streams this client may hold at once (its rows ``slot_lo .. slot_lo + slots``)."""
+
+
+def _pair() -> tuple[socket.socket, socket.socket]:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    for sk in (ours, theirs):
+        sk.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        sk.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+    return ours, theirs
+
+
+def spawn_worker(s: DecoderSettings, theirs: list[socket.socket], shm_path: str,
+                 slots_per_client: int) -> subprocess.Popen[bytes]:
+    """Start ``python -m engine.decoder.worker`` serving one client per socket in ``theirs``; client
+    ``i``'s slots are rows ``i * slots_per_client ..`` of the samples file ``shm_path``."""
+    out_cap_steps = s.out_cap_steps or 2 * s.chunk_steps
+    args = {
+        "fds": [t.fileno() for t in theirs], "model_dir": s.model_dir, "use_hidden": s.use_hidden,
+        "device": s.device, "chunk_steps": s.chunk_steps, "lookahead_steps": s.lookahead_steps,
+        "max_batch": s.max_batch, "slots": slots_per_client * len(theirs), "slots_per_client": slots_per_client,
+        "max_steps": s.max_steps, "torch_threads": s.torch_threads, "out_cap_steps": out_cap_steps,
+        "shm_path": shm_path,
+    }
+    env = {**os.environ, **s.env}
+    env.pop("VOICEGW_VLLM_BOOT", None)  # vLLM's child boot (set while an engine core starts) is not ours
+    py_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not p.endswith("_boot")]
+    env["PYTHONPATH"] = os.pathsep.join([_ROOT, *py_path])
+    # Popen returns once the child is forked; the worker is watched through its socket(s)
+    return subprocess.Popen(
+        [sys.executable, "-m", "engine.decoder.worker", json.dumps(args)],
+        pass_fds=[t.fileno() for t in theirs], env=env,
+    )
+
+
+def shared_plan(s: DecoderSettings, clients: int) -> tuple[list[SharedDecoder], list[socket.socket], str]:
+    """What one decoder process for ``clients`` gateway processes needs (``engine.vllm.group``): a
+    ``SharedDecoder`` per client, the worker's ends of the sockets (for ``spawn_worker``, then
+    close them) and the samples file (unlink it once every client has mapped it)."""
+    out_cap = (s.out_cap_steps or 2 * s.chunk_steps) * SAMPLES_PER_STEP
+    total = s.slots * clients
+    path = new_path("audio")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, total * out_cap * 4)
+    finally:
+        os.close(fd)
+    pairs = [_pair() for _ in range(clients)]
+    shares = [SharedDecoder(ours, path, total, out_cap, i * s.slots, s.slots) for i, (ours, _) in enumerate(pairs)]
+    return shares, [t for _, t in pairs], path

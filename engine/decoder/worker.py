@@ -1,7 +1,8 @@
 """The decoder process: streams of codes in, 24 kHz samples out, one batched forward at a time.
 
 The gateway (``engine.decoder.client``) starts it with ``python -m engine.decoder.worker`` and
-talks to it over one ``AF_UNIX``/``SOCK_SEQPACKET`` socket (one message per request or reply,
+talks to it over one ``AF_UNIX``/``SOCK_SEQPACKET`` socket (one per gateway process when several
+share it: ``engine.vllm.group``) (one message per request or reply,
 fixed ``struct`` headers, no pickling) and one shared-memory file of output samples
 (``float32[slots, out_cap]``): a job's samples are written into its stream's slot, the reply
 carries their count, and the gateway copies them out before that stream's next job (a stream has
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import struct
 import sys
@@ -248,8 +250,11 @@ def _send(sock: socket.socket, kind: int, status: int, job: int, samples: int) -
     sock.send(REP.pack(kind, status, job, samples))
 
 
-def serve(args: dict[str, Any], sock: socket.socket) -> None:
-    """Load the vocoder, warm up (CUDA graphs), report ready, then decode until the socket closes."""
+def serve(args: dict[str, Any], socks: list[socket.socket]) -> None:
+    """Load the vocoder, warm up (CUDA graphs), report ready, then decode until every socket
+    closes. One socket per client: several gateway processes may share this process
+    (``engine.vllm.group``); client ``c``'s slot ``s`` is row ``c * slots_per_client + s`` of the
+    samples file, and job ids are translated so that clients' ids never meet."""
     import torch
 
     from engine.decoder.nets import load_vocoder
@@ -268,6 +273,7 @@ def serve(args: dict[str, Any], sock: socket.socket) -> None:
     dec = WindowDecoder(voc, spec, max_batch)
     dec.warm_up()
     slots, out_cap = int(args["slots"]), int(args["out_cap_steps"]) * geo.samples_per_step
+    per = int(args.get("slots_per_client") or slots)
     mm, flat = map_file(args["shm_path"], slots * out_cap * 4, create=False, dtype=np.float32)
     out = flat.reshape(slots, out_cap)
     limit = voc.front.vq_layer.quantizer.codebook_size if voc.uses_codes else None  # type: ignore[union-attr]
@@ -279,49 +285,71 @@ def serve(args: dict[str, Any], sock: socket.socket) -> None:
         "frames_per_step": geo.frames_per_step, "n_fft": geo.n_fft, "hop": geo.hop,
         "stage_reaches": [[r.left, r.right] for r in geo.stage_reaches],
         "lookahead_steps": la, "exact": spec.exact, "window_steps": spec.window_steps,
-        "buckets": dec.buckets, "device": device, "pid": os.getpid(),
+        "buckets": dec.buckets, "device": device, "pid": os.getpid(), "clients": len(socks),
     }
-    sock.send(bytes([KIND_READY]) + json.dumps(ready).encode())
+    live: dict[int, socket.socket] = dict(enumerate(socks))
+    jobs: dict[int, tuple[int, int]] = {}  # worker job id -> (client, the client's job id)
+    next_job = 0
 
-    def handle(msg: bytes) -> None:
+    def reply(c: int, job: int, status: int, samples: int) -> None:
+        sk = live.get(c)
+        if sk is None:
+            return  # that client went away (its gateway stopped): drop the reply
+        try:
+            _send(sk, KIND_JOB, status, job, samples)
+        except OSError:
+            drop(c)
+
+    def drop(c: int) -> None:
+        live.pop(c, None)
+        gone = {j for j, (cc, _) in jobs.items() if cc == c}
+        core._drop_jobs(gone)
+        for j in gone:
+            jobs.pop(j, None)
+
+    def handle(c: int, msg: bytes) -> None:
+        nonlocal next_job
         kind, flags, job, slot, n_new, target = REQ.unpack_from(msg)
+        sk = live[c]
         if kind == KIND_STATS:
-            sock.send(bytes([KIND_STATS_REPLY]) + json.dumps(core.stats.as_dict()).encode())
+            sk.send(bytes([KIND_STATS_REPLY]) + json.dumps(core.stats.as_dict()).encode())
             return
         payload = np.frombuffer(msg, dtype=wire_dtype, offset=REQ.size)
-        if payload.size != n_new * dec.step_dim:
-            _send(sock, KIND_JOB, STATUS_BAD_INPUT, job, 0)
+        if payload.size != n_new * dec.step_dim or not 0 <= slot < per:
+            reply(c, job, STATUS_BAD_INPUT, 0)
             return
-        res = core.submit(job, slot, payload.reshape(n_new, dec.step_dim).astype(dtype), target, flags)
+        next_job = (next_job + 1) & 0xFFFFFFFF
+        jobs[next_job] = (c, job)
+        res = core.submit(next_job, c * per + slot, payload.reshape(n_new, dec.step_dim).astype(dtype), target, flags)
         if res is not None:
-            _send(sock, KIND_JOB, res[0], job, res[1])
+            jobs.pop(next_job, None)
+            reply(c, job, res[0], res[1])
 
-    while True:
-        try:
-            if core.queued_rows:
-                msg = sock.recv(MAX_MESSAGE_BYTES, socket.MSG_DONTWAIT)
-            else:
-                msg = sock.recv(MAX_MESSAGE_BYTES)
-        except BlockingIOError:
-            msg = None
-        except (ConnectionError, OSError):
-            return
-        if msg is not None:
+    def drain(c: int) -> None:
+        """Every message waiting on client ``c``'s socket (they all join the next forward)."""
+        while c in live:
+            try:
+                msg = live[c].recv(MAX_MESSAGE_BYTES, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                msg = b""
             if not msg:
-                return  # the gateway closed the socket (or died)
-            handle(msg)
-            while True:  # everything else already waiting joins this forward
-                try:
-                    more = sock.recv(MAX_MESSAGE_BYTES, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    break
-                except (ConnectionError, OSError):
-                    return
-                if not more:
-                    return
-                handle(more)
+                drop(c)  # that gateway closed its socket (or died)
+                return
+            handle(c, msg)
+
+    for sk in socks:
+        sk.send(bytes([KIND_READY]) + json.dumps(ready).encode())
+    while live:
+        readable, _, _ = select.select(list(live.values()), [], [], 0 if core.queued_rows else None)
+        by_fd = {sk.fileno(): c for c, sk in live.items()}
+        for sk in readable:
+            drain(by_fd[sk.fileno()])
         for job, status, samples in core.step():
-            _send(sock, KIND_JOB, status, job, samples)
+            owner = jobs.pop(job, None)
+            if owner is not None:
+                reply(owner[0], owner[1], status, samples)
 
 
 def main() -> None:
@@ -329,14 +357,16 @@ def main() -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway shuts it down by closing the socket
     args = json.loads(sys.argv[1])
-    sock = socket.socket(fileno=int(args["fd"]))
-    sock.setblocking(True)
+    socks = [socket.socket(fileno=int(fd)) for fd in args["fds"]]
+    for sk in socks:
+        sk.setblocking(True)
     try:
-        serve(args, sock)
+        serve(args, socks)
     except (BrokenPipeError, ConnectionResetError):
-        pass  # the gateway went away mid-reply
+        pass  # a gateway went away mid-reply
     finally:
-        sock.close()
+        for sk in socks:
+            sk.close()
 
 
 if __name__ == "__main__":

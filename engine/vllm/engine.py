@@ -79,6 +79,9 @@ class SharedClient:
     loads: Any
     """``multiprocessing.RawArray('q', count)``: requests each front end holds (summed for
     ``health().running_requests``, which admission control reads as the engine's load)."""
+    decoder: Any = None
+    """``engine.decoder.client.SharedDecoder``: this process's share of the group's one decoder
+    process (None: the gateway process starts its own)."""
 
 
 def _detect_device(cfg: EngineConfig) -> str:

@@ -23,7 +23,9 @@ uses), not a broker of ours:
 * **Port**: every gateway process binds ``gateway.host:port`` with ``SO_REUSEPORT``. A client's
   retry/resume is stateless on the server (the client resends from a segment boundary), so a
   reconnect may land on any process.
-* **Decoder**: one decoder process per gateway process (``engine.decoder.worker``).
+* **Decoder** (``gateway.shared_decoder``): one decoder process for the group, started here once
+  the engine core is up, one socket and one range of sample rows per gateway process
+  (``engine.decoder.client.shared_plan``); or one decoder process per gateway process.
 * **Failure**: vLLM's front end cannot restart an engine core it did not launch. When the engine
   core or any gateway process dies, this process stops the others (1012 to clients: reconnect and
   resume) and exits 1, for the service manager to start the group again.
@@ -148,11 +150,22 @@ def serve_group(cfg: Config, model_dir: str) -> int:
     vllm_config = args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     ctx = multiprocessing.get_context("spawn")
     loads = ctx.RawArray("q", n)
+    shares: list[Any] = [None] * n
+    theirs: list[Any] = []
+    dec_settings: Any = None
+    dec_path: str | None = None
+    if cfg.gateway.shared_decoder:
+        from engine.decoder.client import shared_plan
+        from engine.speech import build_decoder
+
+        dec_settings = build_decoder(cfg.engine, model_dir, device=cfg.engine.decoder_device or proto.device).settings
+        dec_settings.slots = math.ceil(2 * cfg.engine.max_num_seqs / n) + 32
+        shares, theirs, dec_path = shared_plan(dec_settings, n)
 
     def spawn(configs: list[dict[str, Any]]) -> list[Any]:
         procs = []
         for i, c in enumerate(configs):
-            shared = SharedClient(c, i, n, table.spec.to_env(), i * per, (i + 1) * per, loads)
+            shared = SharedClient(c, i, n, table.spec.to_env(), i * per, (i + 1) * per, loads, shares[i])
             p = ctx.Process(target=_gateway_process, args=(cfg, shared), name=f"voicegw-gateway-{i}")
             p.start()
             procs.append(p)
@@ -160,22 +173,44 @@ def serve_group(cfg: Config, model_dir: str) -> int:
 
     stop = _Signals()
     procs: list[Any] = []
-    manager = coordinator = None
+    manager = coordinator = decoder = None
     try:
         with stop.installed():
             try:
                 manager, coordinator, procs = _launch(vllm_config, n, spawn)
+                if dec_settings is not None:
+                    # after the engine core is up: vLLM sized its KV cache without the decoder's
+                    # GPU memory in the way (the gateways wait for its ready message)
+                    from engine.decoder.client import spawn_worker
+
+                    decoder = spawn_worker(dec_settings, theirs, str(dec_path), dec_settings.slots)
             except Exception as exc:  # noqa: BLE001 - startup failure: one clear line
                 log.error("cannot start the shared engine core: %s", exc)
                 _stop_all(procs, cfg, force=True)
                 return 2
-            log.info("%d gateway processes on one engine core (pids %s)", n, [p.pid for p in procs])
-            code = _supervise(procs, manager, stop, cfg)
+            finally:
+                for t in theirs:
+                    t.close()
+                for sh in shares:
+                    if sh is not None:
+                        sh.sock.close()  # the gateway processes hold their own copies
+            log.info("%d gateway processes on one engine core (pids %s)%s", n, [p.pid for p in procs],
+                     f", one decoder process (pid {decoder.pid})" if decoder is not None else "")
+            code = _supervise(procs, manager, stop, cfg, decoder)
     finally:
         for obj in (manager, coordinator):
             if obj is not None:
                 with contextlib.suppress(Exception):
                     obj.shutdown()
+        if decoder is not None:
+            try:
+                decoder.wait(10)  # exits once every gateway closed its socket
+            except Exception:  # noqa: BLE001
+                decoder.kill()
+                decoder.wait()
+        if dec_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(dec_path)
         table.close()
     return code
 
@@ -204,7 +239,7 @@ def _engine_dead(manager: Any) -> bool:
     return any(not p.is_alive() for p in procs)
 
 
-def _supervise(procs: list[Any], manager: Any, stop: _Signals, cfg: Config) -> int:
+def _supervise(procs: list[Any], manager: Any, stop: _Signals, cfg: Config, decoder: Any = None) -> int:
     forwarded = 0
     deadline: float | None = None
     while True:
@@ -221,8 +256,11 @@ def _supervise(procs: list[Any], manager: Any, stop: _Signals, cfg: Config) -> i
             if deadline is not None and time.monotonic() > deadline:
                 _stop_all(procs, cfg, force=True)
                 return 0
-        elif _engine_dead(manager) or any(not p.is_alive() for p in procs):
+        elif (_engine_dead(manager) or any(not p.is_alive() for p in procs)
+              or (decoder is not None and decoder.poll() is not None)):
             dead = [p.name for p in procs if not p.is_alive()]
+            if decoder is not None and decoder.poll() is not None:
+                dead.append("its decoder process")
             log.error("the group lost %s; stopping the others",
                       ", ".join(dead) if dead else "its engine core")
             _stop_all(procs, cfg, force=False)

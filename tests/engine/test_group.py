@@ -111,7 +111,9 @@ async def test_gateway_processes_share_one_engine_core_and_the_port(tiny_model_d
         for t in transcripts:
             assert t.samples > 0
             assert not t.errors()
-        assert "2 gateway processes on one engine core" in _text(tmp_path / "serve.log")
+        started = _text(tmp_path / "serve.log")
+        assert "2 gateway processes on one engine core" in started
+        assert "one decoder process" in started  # gateway.shared_decoder (the default)
         # both gateway processes generated through the one engine core
         engine_cores = [p for p in _children(proc.pid) if "gateway" not in _cmdline(p)]
         assert engine_cores
