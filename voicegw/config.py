@@ -59,14 +59,12 @@ class GatewayConfig(_Checked):
     """Address to bind."""
     port: int = 8765
     """TCP port for WebSocket, demo page, /healthz and /metrics."""
-    processes: int = 1
-    """Gateway processes (sessions, flow control, WebSocket I/O, each with its own decoder
-    process) sharing the port (``SO_REUSEPORT``) and one vLLM engine core through vLLM's
-    multi-client front end (``engine.vllm.group``). 1: one process. Above 1 needs the ``vllm``
-    backend; ``limits.max_sessions`` then applies per process."""
-    shared_decoder: bool = True
-    """With ``processes`` > 1: one decoder process for all gateway processes (one batch, one CUDA
-    context beside the engine's) instead of one each."""
+    processes: int = 0
+    """Gateway processes (sessions, flow control, WebSocket I/O) sharing the port
+    (``SO_REUSEPORT``), one vLLM engine core through vLLM's multi-client front end, and one decoder
+    process (``engine.vllm.group``). 0: 4 when the engine is vLLM on a CUDA GPU (measured on an H200:
+    docs/gpu.md), else 1. Above 1 needs the ``vllm`` backend and a fixed ``port``;
+    ``limits.max_sessions`` then applies per process."""
     auth_tokens: tuple[str, ...] = ()
     """Bearer tokens accepted (header ``Authorization: Bearer``, subprotocol ``voicegw.token.<t>``
     or query ``?token=``). Empty: no auth (development only)."""
@@ -96,6 +94,8 @@ class GatewayConfig(_Checked):
     (``gateway.monitor``). 0: off (the lag histogram of ``/metrics`` stays)."""
 
     def _cross_check(self) -> None:
+        if self.processes < 0:
+            self._fail("processes", "must be >= 0 (0: automatic)")
         if self.processes > 1 and self.port == 0:
             self._fail("processes", "more than one process needs a fixed port (gateway.port 0 picks one per process)")
 
@@ -360,7 +360,6 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
 }
 
 _POSITIVE: set[tuple[str, str]] = {
-    ("gateway", "processes"),
     ("gateway", "write_limit_bytes"),
     ("gateway", "send_timeout_ms"),
     ("engine", "max_num_seqs"),

@@ -1,4 +1,4 @@
-"""Several gateway processes on one vLLM engine core (``gateway.processes`` > 1).
+"""Several gateway processes on one vLLM engine core and one decoder (``gateway.processes`` > 1).
 
 One asyncio process carries sessions, flow control, WebSocket I/O and vLLM's output handling under
 one GIL; at a few hundred sessions it is the limit (bench/RESULTS.md). This module scales the
@@ -23,9 +23,11 @@ uses), not a broker of ours:
 * **Port**: every gateway process binds ``gateway.host:port`` with ``SO_REUSEPORT``. A client's
   retry/resume is stateless on the server (the client resends from a segment boundary), so a
   reconnect may land on any process.
-* **Decoder** (``gateway.shared_decoder``): one decoder process for the group, started here once
-  the engine core is up, one socket and one range of sample rows per gateway process
-  (``engine.decoder.client.shared_plan``); or one decoder process per gateway process.
+* **Decoder**: one decoder process for the group, started here once the engine core is up, one
+  socket and one range of sample rows per gateway process (``engine.decoder.client.shared_plan``).
+  One decoder process per gateway process lost on an H200 (2026-12-03 call 3: 469 vs 0 underruns at
+  256 sessions arriving within 2 s, 283x vs 565x real time closed loop): four CUDA contexts beside
+  the engine core's, each with a quarter of the batch.
 * **Failure**: vLLM's front end cannot restart an engine core it did not launch. When the engine
   core or any gateway process dies, this process stops the others (1012 to clients: reconnect and
   resume) and exits 1, for the service manager to start the group again.
@@ -150,17 +152,12 @@ def serve_group(cfg: Config, model_dir: str) -> int:
     vllm_config = args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     ctx = multiprocessing.get_context("spawn")
     loads = ctx.RawArray("q", n)
-    shares: list[Any] = [None] * n
-    theirs: list[Any] = []
-    dec_settings: Any = None
-    dec_path: str | None = None
-    if cfg.gateway.shared_decoder:
-        from engine.decoder.client import shared_plan
-        from engine.speech import build_decoder
+    from engine.decoder.client import shared_plan, spawn_worker
+    from engine.speech import build_decoder
 
-        dec_settings = build_decoder(cfg.engine, model_dir, device=cfg.engine.decoder_device or proto.device).settings
-        dec_settings.slots = math.ceil(2 * cfg.engine.max_num_seqs / n) + 32
-        shares, theirs, dec_path = shared_plan(dec_settings, n)
+    dec_settings = build_decoder(cfg.engine, model_dir, device=cfg.engine.decoder_device or proto.device).settings
+    dec_settings.slots = math.ceil(2 * cfg.engine.max_num_seqs / n) + 32
+    shares, theirs, dec_path = shared_plan(dec_settings, n)
 
     def spawn(configs: list[dict[str, Any]]) -> list[Any]:
         procs = []
@@ -178,12 +175,9 @@ def serve_group(cfg: Config, model_dir: str) -> int:
         with stop.installed():
             try:
                 manager, coordinator, procs = _launch(vllm_config, n, spawn)
-                if dec_settings is not None:
-                    # after the engine core is up: vLLM sized its KV cache without the decoder's
-                    # GPU memory in the way (the gateways wait for its ready message)
-                    from engine.decoder.client import spawn_worker
-
-                    decoder = spawn_worker(dec_settings, theirs, str(dec_path), dec_settings.slots)
+                # after the engine core is up: vLLM sized its KV cache without the decoder's GPU
+                # memory in the way (the gateway processes wait for its ready message)
+                decoder = spawn_worker(dec_settings, theirs, dec_path, dec_settings.slots)
             except Exception as exc:  # noqa: BLE001 - startup failure: one clear line
                 log.error("cannot start the shared engine core: %s", exc)
                 _stop_all(procs, cfg, force=True)
@@ -192,10 +186,9 @@ def serve_group(cfg: Config, model_dir: str) -> int:
                 for t in theirs:
                     t.close()
                 for sh in shares:
-                    if sh is not None:
-                        sh.sock.close()  # the gateway processes hold their own copies
-            log.info("%d gateway processes on one engine core (pids %s)%s", n, [p.pid for p in procs],
-                     f", one decoder process (pid {decoder.pid})" if decoder is not None else "")
+                    sh.sock.close()  # the gateway processes hold their own copies
+            log.info("%d gateway processes on one engine core (pids %s), one decoder process (pid %s)",
+                     n, [p.pid for p in procs], decoder.pid if decoder is not None else "-")
             code = _supervise(procs, manager, stop, cfg, decoder)
     finally:
         for obj in (manager, coordinator):
@@ -208,9 +201,8 @@ def serve_group(cfg: Config, model_dir: str) -> int:
             except Exception:  # noqa: BLE001
                 decoder.kill()
                 decoder.wait()
-        if dec_path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(dec_path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(dec_path)
         table.close()
     return code
 

@@ -113,7 +113,7 @@ async def test_gateway_processes_share_one_engine_core_and_the_port(tiny_model_d
             assert not t.errors()
         started = _text(tmp_path / "serve.log")
         assert "2 gateway processes on one engine core" in started
-        assert "one decoder process" in started  # gateway.shared_decoder (the default)
+        assert "one decoder process" in started  # the group's one decoder process
         # both gateway processes generated through the one engine core
         engine_cores = [p for p in _children(proc.pid) if "gateway" not in _cmdline(p)]
         assert engine_cores
@@ -146,3 +146,21 @@ async def test_the_group_stops_when_its_engine_core_dies(tiny_model_dir: Path, t
         if proc.returncode is None:
             os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
+
+
+def test_processes_zero_means_one_process_off_a_cuda_vllm_engine(tiny_model_dir: Path) -> None:
+    from voicegw.config import Config, ConfigError, EngineConfig, GatewayConfig
+    from voicegw.runtime import gateway_processes
+
+    def n(gw: dict[str, Any], eng: dict[str, Any]) -> int:
+        return gateway_processes(Config(gateway=GatewayConfig(**gw), engine=EngineConfig(**eng)))
+
+    assert n({"processes": 3}, {}) == 3
+    assert n({}, {"backend": "vllm", "model_dir": str(tiny_model_dir), "device": "cpu"}) == 1
+    assert n({}, {"backend": "espeak"}) == 1
+    assert n({"port": 0}, {"backend": "vllm", "model_dir": str(tiny_model_dir)}) == 1
+    assert n({}, {"backend": "vllm", "model_dir": str(tiny_model_dir)}) == 1  # no CUDA on this host
+    with pytest.raises(ConfigError):
+        GatewayConfig(processes=2, port=0)
+    with pytest.raises(ConfigError):
+        GatewayConfig(processes=-1)
