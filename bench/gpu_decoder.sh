@@ -35,7 +35,7 @@ if [ "$PHASE" = A ] || [ "$PHASE" = C ]; then
        # the 256-session level, from SPY_DELAY s after it starts (default 1: the sessions' arrival)
       for _ in $(seq 600); do grep -q "steady 256 sessions" "$RES/e2e.log" 2>/dev/null && break; sleep 1; done
       sleep "${SPY_DELAY:-1}"
-      GW=$(pgrep -n -f "python3 -m voicegw.cli serve")
+      GW=$(pgrep -f "voicegw-gateway-0" | head -1); [ -n "$GW" ] || GW=$(pgrep -n -f "python3 -m voicegw.cli serve")  # the group: its first gateway process
       CORE=$(pgrep -n -f "EngineCore")
       [ -n "$CORE" ] && timeout 15 "$SPY" record --nonblocking -p "$CORE" -d 8 -r 50 --format raw -o "$RES/spy-core-256.txt" > "$RES/spy-core.log" 2>&1 &
       [ -n "$GW" ] && timeout 15 "$SPY" record --nonblocking -p "$GW" -d 8 -r 50 --format raw -o "$RES/spy-gateway-256.txt" > "$RES/spy.log" 2>&1
@@ -71,7 +71,7 @@ else
   [ "${SPY:-1}" != 0 ] && (  # py-spy on the gateway process during the 256-session level
     for _ in $(seq 600); do grep -q "steady 256 sessions" "$RES/e2e.log" 2>/dev/null && break; sleep 1; done
     sleep 5
-    GW=$(pgrep -n -f "python3 -m voicegw.cli serve")
+    GW=$(pgrep -f "voicegw-gateway-0" | head -1); [ -n "$GW" ] || GW=$(pgrep -n -f "python3 -m voicegw.cli serve")  # the group: its first gateway process
     [ -n "$GW" ] && timeout 20 "$SPY" record -p "$GW" -d 8 -r 100 --format raw -o "$RES/spy-gateway-256.txt" > "$RES/spy.log" 2>&1
   ) &
   M=$(python3 -c "print(round(($(left) - 25 - ${EXACT_S:-0}) / 60, 2))")

@@ -120,6 +120,12 @@ def _gateway_process(cfg: Config, shared: SharedClient) -> None:
     from voicegw.runtime import build_speech_engine
 
     configure_logging(cfg.gateway)
+    try:  # a name for ps/pgrep/py-spy (vLLM's own dependency; absent: the spawn command line)
+        import setproctitle
+
+        setproctitle.setproctitle(f"voicegw-gateway-{shared.index}")
+    except ImportError:
+        pass
     try:
         speech = build_speech_engine(cfg, shared=shared)
     except Exception as exc:  # noqa: BLE001 - one clear line, exit 2

@@ -114,9 +114,11 @@ async def test_gateway_processes_share_one_engine_core_and_the_port(tiny_model_d
         started = _text(tmp_path / "serve.log")
         assert "2 gateway processes on one engine core" in started
         assert "one decoder process" in started  # the group's one decoder process
-        # both gateway processes generated through the one engine core
-        engine_cores = [p for p in _children(proc.pid) if "gateway" not in _cmdline(p)]
-        assert engine_cores
+        # the launcher's children: two gateway processes, one engine core, one decoder process
+        kids = [_cmdline(p) for p in _children(proc.pid)]
+        assert sum("voicegw-gateway-" in k for k in kids) == 2, kids
+        assert sum("engine.decoder.worker" in k for k in kids) == 1, kids
+        assert any("EngineCore" in k for k in kids), kids
         # graceful stop: SIGTERM to the launcher drains both gateways, then the engine core stops
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 60) == 0
@@ -132,7 +134,9 @@ async def test_the_group_stops_when_its_engine_core_dies(tiny_model_dir: Path, t
     log = tmp_path / "serve.log"
     proc = await _start(tiny_model_dir, port, log)
     try:
-        gateways = [p for p in _children(proc.pid) if "spawn_main" in _cmdline(p)]
+        gateways = [p for p in _children(proc.pid) if "voicegw-gateway-" in _cmdline(p)]
+        decoders = [p for p in _children(proc.pid) if "engine.decoder.worker" in _cmdline(p)]
+        assert len(gateways) == 2 and len(decoders) == 1
         text = _text(log)
         core = [int(line.split("pid=")[1].split(")")[0]) for line in text.splitlines() if line.startswith("(EngineCore pid=")]
         assert core
@@ -140,7 +144,7 @@ async def test_the_group_stops_when_its_engine_core_dies(tiny_model_dir: Path, t
         rc = await asyncio.wait_for(proc.wait(), 60)
         assert rc == 1
         assert "stopping the others" in _text(log)
-        for p in gateways:
+        for p in gateways + decoders:
             assert _gone(p)
     finally:
         if proc.returncode is None:
