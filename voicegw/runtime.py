@@ -106,14 +106,16 @@ def gateway_processes(cfg: Config) -> int:
     except ModelNotFound:
         return 1
     try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return 1
+        # vLLM's platform probe (NVML), not torch.cuda: CUDA initialised in this process would break
+        # the engine core that vLLM forks from it (measured: "Cannot re-initialize CUDA in forked
+        # subprocess" on the H200, 2026-12-03)
         from engine.vllm._env import prepare
 
         prepare()
-        import vllm  # noqa: F401
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda():
+            return 1
     except Exception:  # noqa: BLE001 - no CUDA vLLM here: one process
         return 1
     return AUTO_GPU_PROCESSES

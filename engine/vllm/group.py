@@ -165,8 +165,10 @@ def serve_group(cfg: Config, model_dir: str) -> int:
     dec_settings.slots = math.ceil(2 * cfg.engine.max_num_seqs / n) + 32
     shares, theirs, dec_path = shared_plan(dec_settings, n)
 
+    started: list[Any] = []  # what spawn() started, also when _launch fails after it
+
     def spawn(configs: list[dict[str, Any]]) -> list[Any]:
-        procs = []
+        procs = started
         for i, c in enumerate(configs):
             shared = SharedClient(c, i, n, table.spec.to_env(), i * per, (i + 1) * per, loads, shares[i])
             p = ctx.Process(target=_gateway_process, args=(cfg, shared), name=f"voicegw-gateway-{i}")
@@ -186,7 +188,7 @@ def serve_group(cfg: Config, model_dir: str) -> int:
                 decoder = spawn_worker(dec_settings, theirs, dec_path, dec_settings.slots)
             except Exception as exc:  # noqa: BLE001 - startup failure: one clear line
                 log.error("cannot start the shared engine core: %s", exc)
-                _stop_all(procs, cfg, force=True)
+                _stop_all(started, cfg, force=True)
                 return 2
             finally:
                 for t in theirs:
