@@ -1,9 +1,9 @@
 """The decoder process: streams of codes in, 24 kHz samples out, one batched forward at a time.
 
 The gateway (``engine.decoder.client``) starts it with ``python -m engine.decoder.worker`` and
-talks to it over one ``AF_UNIX``/``SOCK_SEQPACKET`` socket (one per gateway process when several
-share it: ``engine.vllm.group``) (one message per request or reply,
-fixed ``struct`` headers, no pickling) and one shared-memory file of output samples
+talks to it over an ``AF_UNIX``/``SOCK_SEQPACKET`` socket, one per gateway process when several
+share it (``engine.vllm.group``; one message per request or reply, fixed ``struct`` headers, no
+pickling), and one shared-memory file of output samples
 (``float32[slots, out_cap]``): a job's samples are written into its stream's slot, the reply
 carries their count, and the gateway copies them out before that stream's next job (a stream has
 at most one job in flight). Nothing here runs in the gateway's process, thread or GIL.
@@ -208,7 +208,7 @@ class WorkerCore:
             for q in batch:
                 done[q.job.job_id] = (q.job.job_id, STATUS_FORWARD_FAILED, 0)
                 q.job.rows_left = -1
-            self._drop_jobs({q.job.job_id for q in batch})
+            self.drop_jobs({q.job.job_id for q in batch})
             return list(done.values())
         st = self.stats
         st.forwards += 1
@@ -236,7 +236,8 @@ class WorkerCore:
                 self._done_stream(q.stream, q.job.slot)
         return out
 
-    def _drop_jobs(self, ids: set[int]) -> None:
+    def drop_jobs(self, ids: set[int]) -> None:
+        """Forget the queued rows of jobs ``ids`` (a failed forward, a client gone)."""
         for dq in (self._first, self._rest):
             keep = [q for q in dq if q.job.job_id not in ids]
             dq.clear()
@@ -303,7 +304,7 @@ def serve(args: dict[str, Any], socks: list[socket.socket]) -> None:
     def drop(c: int) -> None:
         live.pop(c, None)
         gone = {j for j, (cc, _) in jobs.items() if cc == c}
-        core._drop_jobs(gone)
+        core.drop_jobs(gone)
         for j in gone:
             jobs.pop(j, None)
 

@@ -339,10 +339,10 @@ class VllmCodeEngine:
         """A new engine core (warm-up included) for a dead one. Callers are serialized: one that
         waited while another restarted finds the engine healthy and returns (two restarts at once
         would shut down the engine the other just built, minutes later, under live traffic).
-        A shared engine core is restarted by the process that launched it, never by a client."""
+        A client never restarts a shared engine core: the launching process stops the whole group
+        when it dies, for the service manager to start it again (``engine.vllm.group``)."""
         if self.shared is not None:
-            raise EngineError("the shared engine core is restarted by its launching process",
-                              EngineErrorKind.UNRECOVERABLE)
+            raise EngineError("the shared engine core died; the group is stopping", EngineErrorKind.UNRECOVERABLE)
         async with self._restart_lock:
             if self._llm is not None and self.health().healthy:
                 return
