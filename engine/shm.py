@@ -25,14 +25,22 @@ def new_path(kind: str) -> str:
     return str(shm_dir() / f"voicegw-{kind}-{os.getpid()}-{secrets.token_hex(6)}")
 
 
+def create_file(path: str, nbytes: int) -> None:
+    """A new file of ``nbytes`` at ``path`` (exclusive), for other processes to map."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
 def map_file(path: str, nbytes: int, create: bool, dtype: type = np.int64) -> tuple[mmap.mmap, np.ndarray]:
     """Map ``path`` (``create``: a new file of ``nbytes``, exclusive) read-write; return the
     mapping and a flat ``dtype`` view of it."""
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
+    if create:
+        create_file(path, nbytes)
+    fd = os.open(path, os.O_RDWR, 0o600)
     try:
-        if create:
-            os.ftruncate(fd, nbytes)
         mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)

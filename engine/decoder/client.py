@@ -48,7 +48,7 @@ from engine.decoder.worker import (
     SOCKET_BUFFER_BYTES,
     STATUS_OK,
 )
-from engine.shm import map_file, new_path
+from engine.shm import create_file, map_file, new_path
 
 _log = logging.getLogger(__name__)
 
@@ -87,9 +87,14 @@ class DecoderSettings:
     max_steps: int = 2048
     torch_threads: int = 1
     out_cap_steps: int = 0
-    """Steps of samples one job may return (0: 2 x chunk_steps)."""
+    """Steps of samples one job may return (0: 2 x chunk_steps; ``job_cap_steps`` resolves it)."""
     start_timeout_s: float = 600.0
     env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def job_cap_steps(self) -> int:
+        """``out_cap_steps``, 0 resolved."""
+        return self.out_cap_steps or 2 * self.chunk_steps
 
 
 class DecoderStream:
@@ -180,7 +185,7 @@ class DecoderClient:
         self.info: dict[str, Any] = {}
         self.stats = DecoderStats()
         self.failed: str | None = None
-        self.out_cap_steps = settings.out_cap_steps or 2 * settings.chunk_steps
+        self.out_cap_steps = settings.job_cap_steps
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._mm: mmap.mmap | None = None
@@ -440,12 +445,11 @@ def spawn_worker(s: DecoderSettings, theirs: list[socket.socket], shm_path: str,
                  slots_per_client: int) -> subprocess.Popen[bytes]:
     """Start ``python -m engine.decoder.worker`` serving one client per socket in ``theirs``; client
     ``i``'s slots are rows ``i * slots_per_client ..`` of the samples file ``shm_path``."""
-    out_cap_steps = s.out_cap_steps or 2 * s.chunk_steps
     args = {
         "fds": [t.fileno() for t in theirs], "model_dir": s.model_dir, "use_hidden": s.use_hidden,
         "device": s.device, "chunk_steps": s.chunk_steps, "lookahead_steps": s.lookahead_steps,
         "max_batch": s.max_batch, "slots": slots_per_client * len(theirs), "slots_per_client": slots_per_client,
-        "max_steps": s.max_steps, "torch_threads": s.torch_threads, "out_cap_steps": out_cap_steps,
+        "max_steps": s.max_steps, "torch_threads": s.torch_threads, "out_cap_steps": s.job_cap_steps,
         "shm_path": shm_path,
     }
     env = {**os.environ, **s.env}
@@ -463,14 +467,10 @@ def shared_plan(s: DecoderSettings, clients: int) -> tuple[list[SharedDecoder], 
     """What one decoder process for ``clients`` gateway processes needs (``engine.vllm.group``): a
     ``SharedDecoder`` per client, the worker's ends of the sockets (for ``spawn_worker``, then
     close them) and the samples file (unlink it once every client has mapped it)."""
-    out_cap = (s.out_cap_steps or 2 * s.chunk_steps) * SAMPLES_PER_STEP
+    out_cap = s.job_cap_steps * SAMPLES_PER_STEP
     total = s.slots * clients
     path = new_path("audio")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, total * out_cap * 4)
-    finally:
-        os.close(fd)
+    create_file(path, total * out_cap * 4)
     pairs = [_pair() for _ in range(clients)]
     shares = [SharedDecoder(ours, path, total, out_cap, i * s.slots, s.slots) for i, (ours, _) in enumerate(pairs)]
     return shares, [t for _, t in pairs], path

@@ -165,10 +165,9 @@ def serve_group(cfg: Config, model_dir: str) -> int:
     dec_settings.slots = math.ceil(2 * cfg.engine.max_num_seqs / n) + 32
     shares, theirs, dec_path = shared_plan(dec_settings, n)
 
-    started: list[Any] = []  # what spawn() started, also when _launch fails after it
+    procs: list[Any] = []  # the gateway processes spawn() started (also when _launch fails after it)
 
     def spawn(configs: list[dict[str, Any]]) -> list[Any]:
-        procs = started
         for i, c in enumerate(configs):
             shared = SharedClient(c, i, n, table.spec.to_env(), i * per, (i + 1) * per, loads, shares[i])
             p = ctx.Process(target=_gateway_process, args=(cfg, shared), name=f"voicegw-gateway-{i}")
@@ -177,18 +176,17 @@ def serve_group(cfg: Config, model_dir: str) -> int:
         return procs
 
     stop = _Signals()
-    procs: list[Any] = []
     manager = coordinator = decoder = None
     try:
         with stop.installed():
             try:
-                manager, coordinator, procs = _launch(vllm_config, n, spawn)
+                manager, coordinator, _ = _launch(vllm_config, n, spawn)
                 # after the engine core is up: vLLM sized its KV cache without the decoder's GPU
                 # memory in the way (the gateway processes wait for its ready message)
                 decoder = spawn_worker(dec_settings, theirs, dec_path, dec_settings.slots)
             except Exception as exc:  # noqa: BLE001 - startup failure: one clear line
                 log.error("cannot start the shared engine core: %s", exc)
-                _stop_all(started, cfg, force=True)
+                _stop_all(procs, cfg, force=True)
                 return 2
             finally:
                 for t in theirs:
