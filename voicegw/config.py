@@ -140,7 +140,7 @@ class EngineConfig(_Checked):
     gpu_memory_utilization: float = 0.85
     """vLLM GPU memory fraction."""
     enforce_eager: bool = True
-    """vLLM: no torch.compile / CUDA graphs (fast start on CPU; turn off on GPU)."""
+    """vLLM: no torch.compile / CUDA graphs (fast start on CPU; false on a CUDA GPU by default)."""
     async_scheduling: bool = True
     """vLLM async scheduling (GPU only; ignored on CPU): step N+1 is scheduled while step N runs
     (the step never reads the device from the host, so they overlap)."""
@@ -334,6 +334,9 @@ class Config(_Checked):
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     session: SessionConfig = field(default_factory=SessionConfig)
+    explicit: frozenset[str] = frozenset()
+    """``section.field`` keys given in TOML, environment or CLI (``load_config`` fills it): the
+    ``GPU_DEFAULTS`` never replace those (``on_cuda``)."""
 
     def _cross_check(self) -> None:
         if self.session.frame_ms > self.limits.flow_window_ms:
@@ -351,6 +354,26 @@ _SECTIONS: dict[str, type] = {
     "session.segmenter": SegmenterConfig,
 }
 """Every section; a dotted one is a table inside its parent (``[session.segmenter]``)."""
+
+GPU_DEFAULTS: dict[str, Any] = {
+    "engine.enforce_eager": False,
+    "engine.max_num_seqs": 512,
+    "engine.max_num_batched_tokens": 8192,
+    "engine.decoder_max_batch": 256,
+}
+"""The defaults that differ when ``voicegw serve`` runs ChatTTS on vLLM on a CUDA GPU (the field
+defaults are the CPU ones): compiled with CUDA graphs, hundreds of sequences per batch, the decoder's
+largest bucket 256 rows. The H200 figures of bench/RESULTS.md are measured with these."""
+
+
+def on_cuda(cfg: Config) -> Config:
+    """``cfg`` with ``GPU_DEFAULTS`` for every key not given explicitly (``Config.explicit``)."""
+    changed: dict[str, dict[str, Any]] = {}
+    for key, value in GPU_DEFAULTS.items():
+        if key not in cfg.explicit:
+            section, _, name = key.rpartition(".")
+            changed.setdefault(section, {})[name] = value
+    return dataclasses.replace(cfg, **{sec: dataclasses.replace(getattr(cfg, sec), **kw) for sec, kw in changed.items()})
 
 _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("engine", "backend"): ("auto", "vllm", "reference", "espeak", "synthetic"),
@@ -556,7 +579,8 @@ def load_config(
             if f"{section}.{f.name}" in built:
                 kwargs[f.name] = built.pop(f"{section}.{f.name}")
         built[section] = cls(**kwargs)  # validates (``_Checked``)
-    return Config(**built)
+    explicit = frozenset(f"{section}.{name}" for section, values in raw.items() for name in values)
+    return Config(**built, explicit=explicit)
 
 
 def describe() -> str:
@@ -566,7 +590,8 @@ def describe() -> str:
         "",
         "Generated from `voicegw/config.py` (`voicegw config-doc`). Precedence: defaults < TOML "
         "(`--config FILE` or `VOICEGW_CONFIG`) < environment `VOICEGW_<SECTION>_<FIELD>` < CLI "
-        "`--<section>.<field> VALUE`.",
+        "`--<section>.<field> VALUE`. A default shown as \"(CUDA: ...)\" is what `voicegw serve` uses "
+        "instead when ChatTTS runs on vLLM on a CUDA GPU and the key is not set (`GPU_DEFAULTS`).",
         "",
     ]
     for section, cls in _SECTIONS.items():
@@ -577,7 +602,10 @@ def describe() -> str:
                 continue  # its own table
             default = f.default if f.default is not dataclasses.MISSING else None
             env_name = f"VOICEGW_{section.upper().replace('.', '_')}_{f.name.upper()}"
-            lines.append(f"| `{f.name}` | `{default!r}` | `{env_name}` | {docs.get(f.name, '')} |")
+            shown = f"`{default!r}`"
+            if f"{section}.{f.name}" in GPU_DEFAULTS:
+                shown += f" (CUDA: `{GPU_DEFAULTS[f'{section}.{f.name}']!r}`)"
+            lines.append(f"| `{f.name}` | {shown} | `{env_name}` | {docs.get(f.name, '')} |")
         lines.append("")
     return "\n".join(lines)
 

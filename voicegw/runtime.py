@@ -17,7 +17,7 @@ import logging
 from typing import Any
 
 from engine.api import SpeechEngine
-from voicegw.config import Config
+from voicegw.config import Config, on_cuda
 
 log = logging.getLogger("voicegw")
 
@@ -73,9 +73,14 @@ def serve(cfg: Config) -> int:
     if problem:  # before the engine's start (tens of seconds), not after
         log.error("cannot listen on %s:%d: %s", cfg.gateway.host, cfg.gateway.port, problem)
         return 2
-    n = gateway_processes(cfg)
-    cfg = dataclasses.replace(cfg, gateway=dataclasses.replace(cfg.gateway, processes=n))
-    if n > 1:
+    cuda = on_cuda_vllm(cfg)
+    cfg = resolve_platform(cfg, cuda)
+    if cuda:
+        e = cfg.engine
+        log.info("ChatTTS on vLLM on CUDA: %d gateway processes, enforce_eager=%s, max_num_seqs=%d, "
+                 "max_num_batched_tokens=%d, decoder_max_batch=%d (the GPU defaults, for keys not set)",
+                 cfg.gateway.processes, e.enforce_eager, e.max_num_seqs, e.max_num_batched_tokens, e.decoder_max_batch)
+    if cfg.gateway.processes > 1:
         return _serve_group(cfg)
     try:
         speech = build_speech_engine(cfg)
@@ -91,20 +96,19 @@ def serve(cfg: Config) -> int:
 AUTO_GPU_PROCESSES = 4
 
 
-def gateway_processes(cfg: Config) -> int:
-    """``gateway.processes``, with 0 (automatic) resolved: ``AUTO_GPU_PROCESSES`` when ChatTTS runs
-    on vLLM on a CUDA GPU (a model directory found, no download asked for), else 1."""
-    g, e = cfg.gateway, cfg.engine
-    if g.processes > 0:
-        return g.processes
-    if g.port == 0 or e.backend not in ("auto", "vllm") or e.device == "cpu" or e.download:
-        return 1
+def on_cuda_vllm(cfg: Config) -> bool:
+    """Whether ``voicegw serve`` runs ChatTTS on vLLM on a CUDA GPU: the backend allows vLLM, a
+    model directory is found (no download asked for), the device is not forced to CPU, and vLLM's
+    platform is CUDA."""
+    e = cfg.engine
+    if e.backend not in ("auto", "vllm") or e.device == "cpu" or e.download:
+        return False
     from engine.model_dir import ModelNotFound, resolve_model_dir
 
     try:
         resolve_model_dir(e.model_dir, allow_download=False)
     except ModelNotFound:
-        return 1
+        return False
     try:
         # vLLM's platform probe (NVML), not torch.cuda: CUDA initialised in this process would break
         # the engine core that vLLM forks from it (measured: "Cannot re-initialize CUDA in forked
@@ -114,11 +118,19 @@ def gateway_processes(cfg: Config) -> int:
         prepare()
         from vllm.platforms import current_platform
 
-        if not current_platform.is_cuda():
-            return 1
-    except Exception:  # noqa: BLE001 - no CUDA vLLM here: one process
-        return 1
-    return AUTO_GPU_PROCESSES
+        return bool(current_platform.is_cuda())
+    except Exception:  # noqa: BLE001 - no CUDA vLLM here
+        return False
+
+
+def resolve_platform(cfg: Config, cuda: bool) -> Config:
+    """The automatic settings resolved once, for this platform: ``GPU_DEFAULTS`` for every key not
+    set explicitly when ``cuda``; ``gateway.processes`` 0 -> ``AUTO_GPU_PROCESSES`` there (with a
+    fixed port), else 1."""
+    if cuda:
+        cfg = on_cuda(cfg)
+    n = cfg.gateway.processes or (AUTO_GPU_PROCESSES if cuda and cfg.gateway.port != 0 else 1)
+    return dataclasses.replace(cfg, gateway=dataclasses.replace(cfg.gateway, processes=n))
 
 
 def _serve_group(cfg: Config) -> int:

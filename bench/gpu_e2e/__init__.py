@@ -13,6 +13,7 @@ Phases (``--phases``, in this order):
 * ``burst``: the same gateway; ``--burst-background`` sessions play long answers and
   ``--burst-sessions`` newcomers arrive at once ``--burst-at`` s later: the newcomers' TTFA and
   underruns, and the playing streams' underruns from the burst on.
+  (``e2e --with-burst``: the same level on the e2e gateway, after its steady levels.)
 * ``native``: upstream ChatTTS ``Chat.infer(stream=True)`` one request at a time behind the same
   gateway (``loadtest.baseline.NativePipelineSpeech`` on ``--device``), closed loop at
   ``--native-concurrency``.

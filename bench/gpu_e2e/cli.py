@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--burst-sessions", type=int, default=64, help="burst: newcomers arriving at once")
     g.add_argument("--burst-background", type=int, default=192, help="burst: sessions already playing")
     g.add_argument("--burst-at", type=float, default=6.0, help="burst: seconds after the background starts")
+    g.add_argument("--with-burst", action="store_true",
+                   help="e2e: run the burst level on the e2e gateway after its steady levels (no second start)")
     g.add_argument("--burst-background-chars", type=int, default=900, help="burst: background answer length")
     g = ap.add_argument_group("native baseline")
     g.add_argument("--native-concurrency", default="10,20")

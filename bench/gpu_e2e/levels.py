@@ -121,6 +121,12 @@ def gateway_cmd(args: argparse.Namespace, port: int, dp: int, async_sched: bool,
             s["engine.decoder_max_batch"] = args.decoder_max_batch
     else:
         s["engine.kv_cache_gib"] = args.kv_cache_gib
+    if gpu:  # what the product does by itself on a CUDA GPU is left to it (voicegw.config.GPU_DEFAULTS)
+        from voicegw.config import GPU_DEFAULTS
+
+        for k, v in GPU_DEFAULTS.items():
+            if k in s and str(s[k]).lower() == str(v).lower():
+                del s[k]
     for item in args.gateway_arg:
         k, sep, v = item.partition("=")
         if not sep or "." not in k:

@@ -245,6 +245,8 @@ def _drive_gateway(args: argparse.Namespace, res: Results, budget: Budget, gw: G
         for n in steady_levels]
     if key == "e2e":
         plan += [("steady", n, args.duration, args.settle, r) for n, r in args.ramp_levels]
+        if args.with_burst:
+            plan.append(("burst", args.burst_sessions, args.duration, args.settle, None))
     plan += [("closed-loop", n, args.compare_duration, args.settle, None) for n in compare]
     if key == "burst":
         plan = [("burst", args.burst_sessions, args.duration, args.settle, None)]

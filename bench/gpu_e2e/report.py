@@ -169,6 +169,8 @@ def render_markdown(d: dict[str, Any]) -> str:
         if e.get("skipped"):
             lines += ["Skipped: " + "; ".join(e["skipped"]), ""]
     lines += _burst_lines(d.get("burst"))
+    if any(r.get("scenario") == "burst" for r in (d.get("e2e") or {}).get("levels") or []):  # --with-burst
+        lines += _burst_lines({"levels": d["e2e"]["levels"]})
     nat = d.get("native")
     if nat:
         lines += ["### Native pipeline baseline (same gateway and clients)", "",

@@ -160,18 +160,34 @@ async def test_the_group_stops_when_its_engine_core_dies(tiny_model_dir: Path, t
             await proc.wait()
 
 
-def test_processes_zero_means_one_process_off_a_cuda_vllm_engine(tiny_model_dir: Path) -> None:
-    from voicegw.config import Config, ConfigError, EngineConfig, GatewayConfig
-    from voicegw.runtime import gateway_processes
+def test_automatic_settings_resolve_per_platform(tiny_model_dir: Path) -> None:
+    """``gateway.processes`` 0 and the ``GPU_DEFAULTS`` resolve once in ``voicegw serve``: on a CUDA
+    vLLM engine 4 processes and the GPU column for every key not set; elsewhere one process and the
+    field defaults. This host has no CUDA: ``on_cuda_vllm`` says so for every backend."""
+    from voicegw.config import GPU_DEFAULTS, Config, ConfigError, EngineConfig, GatewayConfig, load_config
+    from voicegw.runtime import AUTO_GPU_PROCESSES, on_cuda_vllm, resolve_platform
 
-    def n(gw: dict[str, Any], eng: dict[str, Any]) -> int:
-        return gateway_processes(Config(gateway=GatewayConfig(**gw), engine=EngineConfig(**eng)))
+    def cfg(gw: dict[str, Any], eng: dict[str, Any]) -> Config:
+        return Config(gateway=GatewayConfig(**gw), engine=EngineConfig(**eng))
 
-    assert n({"processes": 3}, {}) == 3
-    assert n({}, {"backend": "vllm", "model_dir": str(tiny_model_dir), "device": "cpu"}) == 1
-    assert n({}, {"backend": "espeak"}) == 1
-    assert n({"port": 0}, {"backend": "vllm", "model_dir": str(tiny_model_dir)}) == 1
-    assert n({}, {"backend": "vllm", "model_dir": str(tiny_model_dir)}) == 1  # no CUDA on this host
+    for eng in ({"backend": "vllm", "model_dir": str(tiny_model_dir), "device": "cpu"}, {"backend": "espeak"},
+                {"backend": "vllm", "model_dir": str(tiny_model_dir)}):
+        assert not on_cuda_vllm(cfg({}, eng))
+    cpu = resolve_platform(cfg({}, {}), cuda=False)
+    assert cpu.gateway.processes == 1 and cpu.engine == EngineConfig()
+    assert resolve_platform(cfg({"processes": 3}, {}), cuda=False).gateway.processes == 3
+    gpu = resolve_platform(cfg({}, {}), cuda=True)
+    assert gpu.gateway.processes == AUTO_GPU_PROCESSES
+    for key, value in GPU_DEFAULTS.items():
+        section, _, name = key.partition(".")
+        assert getattr(getattr(gpu, section), name) == value, key
+    assert resolve_platform(cfg({"port": 0}, {}), cuda=True).gateway.processes == 1
+    # a key given in TOML, environment or CLI is never replaced, even when it equals the CPU default
+    mine = load_config(env={"VOICEGW_ENGINE_MAX_NUM_SEQS": "64"}, overrides={"engine.enforce_eager": "true"})
+    assert mine.explicit == {"engine.max_num_seqs", "engine.enforce_eager"}
+    kept = resolve_platform(mine, cuda=True)
+    assert kept.engine.max_num_seqs == 64 and kept.engine.enforce_eager is True
+    assert kept.engine.decoder_max_batch == GPU_DEFAULTS["engine.decoder_max_batch"]
     with pytest.raises(ConfigError):
         GatewayConfig(processes=2, port=0)
     with pytest.raises(ConfigError):
