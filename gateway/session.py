@@ -7,8 +7,8 @@ No asyncio, no sockets: ``gateway/server.py`` carries the actions out and feeds 
 Time comes in as ``now_s`` (monotonic seconds).
 
 Audio path: text -> Segmenter (per utterance) -> at most ``max_in_flight`` segments in flight, in
-text order, of which at most ``max_generating`` still generating (an utterance's first segment not
-counted) -> each stream holds at most ``prefetch`` of pulled audio -> the head stream's audio is
+text order, of which one at a time still generating (an utterance's first segment not counted)
+-> each stream holds at most ``prefetch`` of pulled audio -> the head stream's audio is
 cut into frames and sent while FlowControl gives credit. The server pulls a stream's engine
 iterator only while ``may_pull`` is true, so a client that does not play stops the decoding.
 
@@ -720,14 +720,14 @@ class Session:
         return None
 
     def _may_submit(self) -> bool:
-        """Room for another segment: fewer than ``max_in_flight`` unsent and fewer than
-        ``max_generating`` still generating, an utterance's first segment not counted (it is
-        short, for a fast first audio: its audio alone does not cover the next segment's time to
-        first audio under load, so the second one generates beside it)."""
-        st = self.settings
-        if len(self._streams) >= st.max_in_flight:
+        """Room for another segment: fewer than ``max_in_flight`` unsent and none still generating,
+        an utterance's first segment not counted (it is short, for a fast first audio: its audio
+        alone does not cover the next segment's time to first audio under load, so the second one
+        generates beside it). One generating at a time keeps vLLM's batch near one request per
+        speaking session; two lost on an H200 (``SessionConfig.max_in_flight``)."""
+        if len(self._streams) >= self.settings.max_in_flight:
             return False
-        return sum(1 for s in self._streams if s.generating and s.seg.index > 0) < st.max_generating
+        return not any(s.generating and s.seg.index > 0 for s in self._streams)
 
     def _fill(self, now_s: float, out: list[Action]) -> None:
         while self._may_submit():

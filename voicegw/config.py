@@ -287,15 +287,14 @@ class SessionConfig(_Checked):
     max_in_flight: int = 2
     """Segments in flight per session (submitted to the engine and not yet fully sent): the next
     segment is submitted while the current one is still being sent, so sentences follow without
-    gaps, and a client that does not play cannot make the engine run further ahead."""
-    max_generating: int = 1
-    """Of those, segments the engine is still generating (their audio not all taken from the
-    engine), an utterance's first segment not counted: from the second segment on, the next one
-    is submitted once the current one has all its audio, while that audio is still being sent
-    (up to ``limits.flow_window_ms`` + ``prefetch_ms`` ahead of playback). The short first
-    segment has the second generating beside it (its audio alone is too short to cover the next
-    segment's time to first audio under load). One keeps vLLM's running batch near one request
-    per speaking session."""
+    gaps, and a client that does not play cannot make the engine run further ahead. Of those, one
+    at a time is still generating, an utterance's short first segment not counted: from the second
+    segment on, the next one is submitted once the current one has all its audio (which is then
+    still being sent, up to ``limits.flow_window_ms`` + ``prefetch_ms`` ahead of playback); the
+    first has the second generating beside it (its audio alone does not cover the next segment's
+    time to first audio under load). This keeps vLLM's running batch near one request per speaking
+    session: two generating at once lost on an H200 (2026-12-03, same call: 671 underruns at 256
+    sessions against 0; bench/RESULTS.md)."""
     frame_ms: float = 40.0
     """Longest audio frame sent."""
     prefetch_ms: float = 1_000.0
@@ -317,10 +316,6 @@ class SessionConfig(_Checked):
     against a GPT that stops before the end of its text; typical speech is ``est_ms_per_unit``.
     0: off, the model alone decides. The GPU benchmarks set 32 (half of typical speech) so that
     random-weight checkpoints, which stop at random, give segments of speech-like length."""
-
-    def _cross_check(self) -> None:
-        if self.max_generating > self.max_in_flight:
-            self._fail("max_generating", f"must be <= max_in_flight ({self.max_in_flight})")
 
 
 @dataclass(frozen=True)
@@ -406,7 +401,6 @@ _POSITIVE: set[tuple[str, str]] = {
     ("limits", "max_queued_utterances"),
     ("limits", "openai_max_input_chars"),
     ("session", "max_in_flight"),
-    ("session", "max_generating"),
     ("session", "frame_ms"),
     ("session", "prefetch_ms"),
     ("session", "stale_report_ms"),

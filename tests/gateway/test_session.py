@@ -142,7 +142,7 @@ def test_start_and_stream_one_utterance():
 
 
 def test_later_segments_are_submitted_once_the_current_one_has_all_its_audio():
-    h = Harness(limits={"flow_window_ms": 500}, max_in_flight=2, max_generating=1)
+    h = Harness(limits={"flow_window_ms": 500}, max_in_flight=2)
     h.start()
     text = "First clause here, then a whole sentence follows. "
     s1, s2 = starts(h.msg({"type": "text.delta", "text": text}))  # the short first one does not count
@@ -159,7 +159,7 @@ def test_later_segments_are_submitted_once_the_current_one_has_all_its_audio():
 
 
 def test_segments_are_pipelined_and_audio_stays_in_order():
-    h = Harness(max_in_flight=2, max_generating=2)
+    h = Harness(max_in_flight=2)
     h.start()
     acts = h.msg({"type": "text.delta", "text": "First clause here, then a whole sentence follows. "})
     s1, s2 = starts(acts)  # two in flight at once
@@ -173,10 +173,11 @@ def test_segments_are_pipelined_and_audio_stays_in_order():
     acts = h.audio(s1.request.request_id, 100, finished=True)
     segs = [P.unpack_audio_frame(a.data)[0].segment for a in audio(acts)]
     assert segs == sorted(segs) and segs[0] == 0 and segs[-1] == 1
-    # segment 0 finished: a third segment is submitted while segment 1 still generates
-    (s3,) = starts(acts)
-    assert s3.request.request_id.endswith("-1-2")
+    # segment 0 finished: the third waits while segment 1 still generates (one at a time)
+    assert not starts(acts)
     assert [m["type"] for m in messages(acts)] == ["segment.started", "segment.done", "segment.started"]
+    (s3,) = starts(h.audio(s2.request.request_id, 100, finished=True))
+    assert s3.request.request_id.endswith("-1-2")
 
 
 def test_flow_window_without_reports_paces_in_real_time():
