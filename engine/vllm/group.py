@@ -137,13 +137,32 @@ def _gateway_process(cfg: Config, shared: SharedClient) -> None:
 def serve_group(cfg: Config, model_dir: str) -> int:
     """``voicegw serve`` with ``gateway.processes`` > 1 (see the module docstring). Returns the
     exit code: 0 after a signal, 1 when a process of the group died, 2 when it could not start."""
+    n = cfg.gateway.processes
+    t0 = time.monotonic()
+    proto = VllmCodeEngine(model_dir, cfg.engine, warmup=False)
+    per = slots_per_client(cfg.engine.max_num_seqs, n)
+    table = FrameTable(per * n, min(cfg.engine.max_model_len, proto.info.max_positions))
+    made: list[str] = []  # /dev/shm files to remove when the group ends
+    try:
+        return _run_group(cfg, model_dir, proto, table, per, t0, made)
+    except Exception as exc:  # noqa: BLE001 - startup failure (a bad engine argument...): one clear line
+        log.error("cannot start %d gateway processes: %s", n, exc)
+        return 2
+    finally:
+        for path in made:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        table.close()
+
+
+def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameTable, per: int,
+               t0: float, made: list[str]) -> int:
+    """The group's start and supervision (``serve_group``); the decoder samples file's path goes
+    into ``made`` as soon as it exists, so that the caller removes it whatever happens."""
     from engine.vllm._env import child_env
     from engine.vllm.plugin import register
 
     n = cfg.gateway.processes
-    proto = VllmCodeEngine(model_dir, cfg.engine, warmup=False)
-    per = slots_per_client(cfg.engine.max_num_seqs, n)
-    table = FrameTable(per * n, min(cfg.engine.max_model_len, proto.info.max_positions))
     for k, v in {**proto.launch_env(), ENV_KEY: table.spec.to_env(), **child_env()}.items():
         if v is None:
             os.environ.pop(k, None)
@@ -164,6 +183,7 @@ def serve_group(cfg: Config, model_dir: str) -> int:
     dec_settings = build_decoder(cfg.engine, model_dir, device=cfg.engine.decoder_device or proto.device).settings
     dec_settings.slots = math.ceil(2 * cfg.engine.max_num_seqs / n) + 32
     shares, theirs, dec_path = shared_plan(dec_settings, n)
+    made.append(dec_path)
 
     procs: list[Any] = []  # the gateway processes spawn() started (also when _launch fails after it)
 
@@ -180,7 +200,9 @@ def serve_group(cfg: Config, model_dir: str) -> int:
     try:
         with stop.installed():
             try:
+                t_launch = time.monotonic()
                 manager, coordinator, _ = _launch(vllm_config, n, spawn)
+                t_core = time.monotonic()
                 # after the engine core is up: vLLM sized its KV cache without the decoder's GPU
                 # memory in the way (the gateway processes wait for its ready message)
                 decoder = spawn_worker(dec_settings, theirs, dec_path, dec_settings.slots)
@@ -193,8 +215,11 @@ def serve_group(cfg: Config, model_dir: str) -> int:
                     t.close()
                 for sh in shares:
                     sh.sock.close()  # the gateway processes hold their own copies
-            log.info("%d gateway processes on one engine core (pids %s), one decoder process (pid %s)",
-                     n, [p.pid for p in procs], decoder.pid if decoder is not None else "-")
+            log.info("%d gateway processes on one engine core (pids %s), one decoder process (pid %s); "
+                     "start phases: config %.1f s, engine core and its clients' handshake %.1f s, decoder "
+                     "spawn %.1f s (the gateway processes log their own readiness)",
+                     n, [p.pid for p in procs], decoder.pid if decoder is not None else "-",
+                     t_launch - t0, t_core - t_launch, time.monotonic() - t_core)
             code = _supervise(procs, manager, stop, cfg, decoder)
     finally:
         for obj in (manager, coordinator):
@@ -207,9 +232,6 @@ def serve_group(cfg: Config, model_dir: str) -> int:
             except Exception:  # noqa: BLE001
                 decoder.kill()
                 decoder.wait()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(dec_path)
-        table.close()
     return code
 
 
