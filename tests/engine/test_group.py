@@ -192,3 +192,34 @@ def test_automatic_settings_resolve_per_platform(tiny_model_dir: Path) -> None:
         GatewayConfig(processes=2, port=0)
     with pytest.raises(ConfigError):
         GatewayConfig(processes=-1)
+
+
+def test_a_failed_group_start_leaves_no_shared_memory_files(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """The launcher creates the frame table and the decoder's samples file before vLLM's launcher
+    runs; when the start fails after that (here: vLLM's launcher raises) it exits 2 with one line
+    and removes both files."""
+    import engine.vllm.group as group
+    from engine.shm import shm_dir
+    from voicegw.config import load_config
+
+    def before() -> set[str]:
+        return {p.name for p in shm_dir().glob(f"voicegw-*-{os.getpid()}-*")}
+
+    during: list[set[str]] = []
+
+    def refuse(*a: Any, **k: Any) -> Any:
+        during.append(before())
+        raise RuntimeError("no engine core today")
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the launcher sets vLLM's variables
+    monkeypatch.setattr(group, "_launch", refuse)
+    cfg = load_config(env={}, overrides={
+        "gateway.processes": 2, "gateway.port": _free_port(), "engine.backend": "vllm",
+        "engine.model_dir": str(tiny_model_dir), "engine.device": "cpu", "engine.max_num_seqs": 8,
+        "engine.max_model_len": 256, "engine.kv_cache_gib": 0.05})
+    old = before()
+    assert group.serve_group(cfg, str(tiny_model_dir)) == 2
+    assert "no engine core today" in caplog.text
+    assert len(during[0] - old) == 2  # the frame table and the samples file existed then
+    assert before() == old
