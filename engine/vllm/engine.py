@@ -104,6 +104,9 @@ def effective_min_new(p: SamplingParams) -> int:
 
 
 _ENV_LOCK = threading.Lock()
+#: A shared engine core's first reply to a client (``_first_contact``): deadline per attempt, attempts.
+_FIRST_CONTACT_S = 30.0
+_FIRST_CONTACT_TRIES = 4
 """Serializes the environment patch of engine construction (``VllmCodeEngine._construct``)."""
 
 
@@ -219,6 +222,8 @@ class VllmCodeEngine:
         env: dict[str, str | None] = {**self.launch_env(), ENV_KEY: self._table.spec.to_env(), **child_env()}
         self._llm = await asyncio.to_thread(self._construct, env)
         self._dead = None
+        if self.shared is not None:
+            await self._first_contact(self._llm)
         t1 = time.monotonic()
         if self._warmup:
             await self._warm()
@@ -308,6 +313,28 @@ class VllmCodeEngine:
         if self.shared is None:
             return len(self._live)
         return int(sum(self.shared.loads))
+
+    async def _first_contact(self, llm: Any) -> None:
+        """A client of a shared engine core: the engine core's first reply (vLLM asks it for its
+        supported tasks before a client's first request, then caches the answer), with a deadline
+        and a retry. On the 2-core CI host one of two gateway processes once waited forever at
+        that first call (its warm-up request never reached vLLM's input processor) while the other
+        served; a retry sends a new call, and the log says when it was needed."""
+        ask = getattr(llm, "get_supported_tasks", None)
+        if ask is None:
+            return
+        for attempt in range(1, _FIRST_CONTACT_TRIES + 1):
+            call = asyncio.ensure_future(ask())
+            try:  # shielded: a late reply must find its future alive (vLLM sets its result)
+                await asyncio.wait_for(asyncio.shield(call), _FIRST_CONTACT_S)
+            except TimeoutError:
+                _log.warning("engine core: no reply to this client's first call in %.0f s (attempt %d of %d)",
+                             _FIRST_CONTACT_S, attempt, _FIRST_CONTACT_TRIES)
+                continue
+            if attempt > 1:
+                _log.warning("engine core: replied at attempt %d", attempt)
+            return
+        raise EngineError("the shared engine core does not answer this client", EngineErrorKind.UNRECOVERABLE)
 
     async def _warm(self) -> None:
         """Short requests that run first-use paths before real traffic: greedy and sampled, with

@@ -49,18 +49,25 @@ async def _start(model_dir: Path, port: int, log: Path) -> asyncio.subprocess.Pr
         stdout=out, stderr=out, start_new_session=True,
     )
     pids: set[int] = set()
-    for _ in range(3000):  # 5 min: engine core, two gateways, the decoder (2 CPU cores, beside the session's engine)
-        if proc.returncode is not None:
-            raise AssertionError(f"serve exited {proc.returncode}: {_text(log)[-3000:]}")
-        if _text(log).count("gateway listening on") >= 2:
-            h = await asyncio.to_thread(_health, port)
-            if h is not None:
-                pids.add(int(h["pid"]))
-                if len(pids) >= 2:
-                    return proc
-        await asyncio.sleep(0.1)
-    kids = [_cmdline(p)[:60] for p in _children(proc.pid)]
-    raise AssertionError(f"the group did not come up in 300 s (children {kids}): {_text(log)[-3000:]}")
+    try:
+        for _ in range(3000):  # 5 min: engine core, two gateways, the decoder (2 CPU cores, beside the session's engine)
+            if proc.returncode is not None:
+                raise AssertionError(f"serve exited {proc.returncode}: {_text(log)[-3000:]}")
+            if _text(log).count("gateway listening on") >= 2:
+                h = await asyncio.to_thread(_health, port)
+                if h is not None:
+                    pids.add(int(h["pid"]))
+                    if len(pids) >= 2:
+                        return proc
+            await asyncio.sleep(0.1)
+        kids = [_cmdline(p)[:60] for p in _children(proc.pid)]
+        lines = [ln for ln in _text(log).splitlines() if "voicegw.load" not in ln]
+        raise AssertionError(f"the group did not come up in 300 s (children {kids}): " + "\n".join(lines[-40:]))
+    except BaseException:
+        _kill_group(proc.pid)  # a failed start leaves nothing running for the tests after it
+        if proc.returncode is None:
+            await proc.wait()
+        raise
 
 
 async def _speak(port: int, text: str) -> Transcript:
