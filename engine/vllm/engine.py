@@ -104,10 +104,10 @@ def effective_min_new(p: SamplingParams) -> int:
 
 
 _ENV_LOCK = threading.Lock()
+"""Serializes the environment patch of engine construction (``VllmCodeEngine._construct``)."""
 #: A shared engine core's first reply to a client (``_first_contact``): deadline per attempt, attempts.
 _FIRST_CONTACT_S = 30.0
 _FIRST_CONTACT_TRIES = 4
-"""Serializes the environment patch of engine construction (``VllmCodeEngine._construct``)."""
 
 
 class VllmCodeEngine:
