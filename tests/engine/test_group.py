@@ -230,3 +230,33 @@ def test_a_failed_group_start_leaves_no_shared_memory_files(tiny_model_dir: Path
     assert "no engine core today" in caplog.text
     assert len(during[0] - old) == 2  # the frame table and the samples file existed then
     assert before() == old
+
+
+async def test_a_lost_first_reply_is_asked_again(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A shared engine core's client asks its first question again when no reply comes, and gives
+    up with an unrecoverable error (the gateway process exits; the launcher stops the group) when
+    none ever comes."""
+    import typing
+
+    import engine.vllm.engine as ve
+    from engine.api import EngineError
+
+    monkeypatch.setattr(ve, "_FIRST_CONTACT_S", 0.05)
+
+    class Core:
+        def __init__(self, answer_from: int) -> None:
+            self.calls, self.answer_from = 0, answer_from
+
+        async def get_supported_tasks(self) -> tuple[str, ...]:
+            self.calls += 1
+            if self.calls < self.answer_from:
+                await asyncio.sleep(3600)  # this reply never comes
+            return ("generate",)
+
+    engine = typing.cast(ve.VllmCodeEngine, object())  # _first_contact uses only the client it is given
+    late = Core(answer_from=3)
+    await ve.VllmCodeEngine._first_contact(engine, late)
+    assert late.calls == 3
+    assert "replied at attempt 3" in caplog.text
+    with pytest.raises(EngineError):
+        await ve.VllmCodeEngine._first_contact(engine, Core(answer_from=99))
