@@ -75,7 +75,11 @@ class RestartableGateway:
             "vllm", model_dir=self.model_dir, start_timeout_s=300, log_path=self.log_path,
             settings={"gateway.port": self.port, "engine.kv_cache_gib": 0.25, "engine.max_num_seqs": 8,
                       "engine.max_model_len": MAX_MODEL_LEN, "engine.default_speaker": "2222",
-                      "gateway.shutdown_grace_s": 5.0},
+                      "gateway.shutdown_grace_s": 5.0,
+                      # speech-length segments (random weights stop at random): at the kill, the
+                      # rest of the answer is longer than what flow control lets ahead of playback,
+                      # so there is something to resume (CI once had it all delivered: 0 resumes)
+                      "session.min_audio_ms_per_unit": 32.0},
         )
         self.proc.start()
         self.start_s.append(time.monotonic() - t0)
