@@ -36,7 +36,24 @@ def _health(port: int) -> dict[str, Any] | None:
         return None
 
 
+NO_ANSWER = "does not answer this client"
+"""The group's known start failure on the 2-core CI host (``VllmCodeEngine._first_contact``): the
+engine core answered neither gateway process's first call; the group exits 1 (for a service manager
+to restart it). Cause not found yet; the tests start such a group once more, as a restart would."""
+
+
 async def _start(model_dir: Path, port: int, log: Path) -> asyncio.subprocess.Process:
+    try:
+        return await _start_once(model_dir, port, log)
+    except AssertionError:
+        if NO_ANSWER not in _text(log):
+            raise
+        print(f"[group] start failed with {NO_ANSWER!r}; starting the group again", flush=True)
+        os.rename(log, log.with_name(log.stem + "-failed.log"))
+        return await _start_once(model_dir, port, log)
+
+
+async def _start_once(model_dir: Path, port: int, log: Path) -> asyncio.subprocess.Process:
     args = [
         "-m", "voicegw.cli", "serve", "--gateway.port", str(port), "--gateway.processes", "2",
         "--gateway.shutdown_grace_s", "5", "--engine.backend", "vllm", "--engine.device", "cpu",

@@ -370,7 +370,15 @@ async def main() -> int:
         row: dict[str, Any] = {"client": shown, "version": version(dist), "call": call, "case": fn.__name__}
         t0 = time.monotonic()
         try:
-            audio = await asyncio.wait_for(fn(a), TIMEOUT_S + 30)
+            try:
+                audio = await asyncio.wait_for(fn(a), TIMEOUT_S + 30)
+            except RuntimeError as e:
+                # Pipecat's ElevenLabs HTTP service has, in about one CI run in four, reported a
+                # context "completed with no audio" (cause not found yet): one more try, recorded
+                if "completed with no audio" not in str(e):
+                    raise
+                row["retried_after"] = str(e)[:200]
+                audio = await asyncio.wait_for(fn(a), TIMEOUT_S + 30)
             pcm = np.frombuffer(bytes(audio.pcm), dtype=np.int16)
             row.update(ok=pcm.size > 0 and audio.rate_hz > 0, rate_hz=audio.rate_hz, samples=int(pcm.size),
                        peak=round(float(np.abs(pcm).max() / 32768.0), 3) if pcm.size else 0.0,
