@@ -317,9 +317,10 @@ class VllmCodeEngine:
     async def _first_contact(self, llm: Any) -> None:
         """A client of a shared engine core: the engine core's first reply (vLLM asks it for its
         supported tasks before a client's first request, then caches the answer), with a deadline
-        and a retry. On the 2-core CI host one of two gateway processes once waited forever at
-        that first call (its warm-up request never reached vLLM's input processor) while the other
-        served; a retry sends a new call, and the log says when it was needed."""
+        and retries, each logged, then an unrecoverable error: the gateway process exits and the
+        launcher stops the group (exit 1) instead of a group silently short of a process. Seen only
+        on the 2-core CI host beside a second vLLM CPU engine, where the engine core answered no
+        client's first call (cause not found)."""
         ask = getattr(llm, "get_supported_tasks", None)
         if ask is None:
             return
