@@ -48,3 +48,119 @@ def test_python_client_imports_without_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, env=ENV)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+# ---- layering: who may import whom (read from the source with ``ast``, nothing is imported) ----
+
+#: The tree the layering rules read (``VOICEGW_LAYERING_ROOT`` points them at another checkout).
+LAYER_ROOT = Path(os.environ.get("VOICEGW_LAYERING_ROOT") or ROOT)
+PACKAGES = ("engine", "gateway", "voicegw", "clients", "loadtest", "bench")
+#: What ``gateway`` may import of ``engine``: its interface (the protocols and plain data types,
+#: the engine's settings, the audio format helpers the dialects resample with).
+GATEWAY_ENGINE_ALLOWED = {"engine.api", "engine.config", "engine.audio_format"}
+#: Packages a package must never import (at any depth, inside functions and ``TYPE_CHECKING`` too).
+FORBIDDEN_UP = {
+    "engine": {"voicegw", "gateway", "clients", "loadtest", "bench"},
+    "gateway": {"voicegw", "clients", "loadtest", "bench"},
+    "clients": {"engine", "gateway", "voicegw", "loadtest", "bench"},
+}
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The project modules ``name`` imports anywhere in its source (function bodies included);
+    ``from a.b import c`` counts as ``a.b.c`` when that is a module, else as ``a.b``."""
+    import ast
+
+    is_pkg = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")
+                anchor = anchor[: len(anchor) - node.level + (1 if is_pkg else 0)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        for t in targets:
+            while t and t not in known:  # a name inside a module: the module
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def _graph(root: Path) -> dict[str, set[str]]:
+    mods = _modules(root)
+    return {m: _imports(m, p, set(mods)) for m, p in mods.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_layers_import_only_downward() -> None:
+    """engine imports nothing above it; gateway nothing above it and of engine only the
+    interface (``GATEWAY_ENGINE_ALLOWED``); clients nothing of the server."""
+    bad = []
+    for mod, deps in sorted(_graph(LAYER_ROOT).items()):
+        pkg = mod.split(".")[0]
+        for dep in sorted(deps):
+            top = dep.split(".")[0]
+            if top in FORBIDDEN_UP.get(pkg, ()):
+                bad.append(f"{mod} -> {dep}")
+            elif pkg == "gateway" and top == "engine" and dep not in GATEWAY_ENGINE_ALLOWED:
+                bad.append(f"{mod} -> {dep} (not the engine's interface: {sorted(GATEWAY_ENGINE_ALLOWED)})")
+    assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles() -> None:
+    """No two modules of the project import each other, directly or around a loop; every import
+    counts, those inside functions and under ``TYPE_CHECKING`` too (a deferred import is still a
+    dependency)."""
+    cycles = _cycles(_graph(LAYER_ROOT))
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
