@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 
 from engine.api import CodeFrames, EngineError, EngineErrorKind, EngineHealth, SpeechRequest
+from engine.config import EngineConfig
 from engine.prompt import read_model_info
 from engine.speaker import SpeakerError, resolve_speaker
-from voicegw.config import EngineConfig
 
 _log = logging.getLogger(__name__)
 

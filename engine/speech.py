@@ -48,8 +48,8 @@ from engine.audio_format import SUPPORTED_RATES_HZ, StreamResampler, float_to_pc
 from engine.decoder.window import ChunkPolicy, StreamLead
 
 if TYPE_CHECKING:
+    from engine.config import EngineConfig
     from engine.decoder.client import DecoderClient, SharedDecoder
-    from voicegw.config import EngineConfig
 
 _log = logging.getLogger(__name__)
 

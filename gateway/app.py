@@ -15,17 +15,17 @@ from typing import Any
 import orjson
 
 from engine.api import SpeechEngine
+from gateway.config import GatewayConfig, GatewaySettings
 from gateway.metrics import GatewayMetrics
 from gateway.monitor import LoadMonitor
 from gateway.server import GatewayServer
 from gateway.session import SessionSettings
-from voicegw.config import Config, GatewayConfig
 
 log = logging.getLogger("voicegw.gateway")
 
 
 async def serve(
-    config: Config,
+    config: GatewaySettings,
     engine: SpeechEngine,
     *,
     stop: asyncio.Event | None = None,
@@ -54,9 +54,9 @@ async def serve(
         await server.shutdown(force=force_stop)
 
 
-def run_gateway(config: Config, engine: SpeechEngine) -> int:
+def run_gateway(config: GatewaySettings, engine: SpeechEngine) -> int:
     """Run the gateway in this process until SIGINT/SIGTERM (a second signal skips the grace
-    period). Starts ``engine`` (built by the caller: ``voicegw.runtime.build_speech_engine``) and
+    period). Starts ``engine`` (built by the caller: ``engine.build.build_speech_engine``) and
     closes it at the end. Returns the process exit code (2: the engine could not be started).
     Configures logging (idempotent: the root logger gets one handler)."""
     configure_logging(config.gateway)
@@ -80,7 +80,7 @@ class _StartupError(Exception):
     pass
 
 
-async def _main(config: Config, engine: SpeechEngine) -> None:
+async def _main(config: GatewaySettings, engine: SpeechEngine) -> None:
     log.info("event loop %s; engine %s", type(asyncio.get_running_loop()).__module__, engine.name)
     try:
         await engine.start()

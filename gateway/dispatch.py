@@ -16,8 +16,8 @@ import weakref
 from typing import Any
 
 from engine.api import SpeechEngine
+from gateway.config import GatewaySettings
 from gateway.scheduling import AdmissionController, AdmissionDecision, EngineLoad
-from voicegw.config import Config
 
 _REGISTRY: weakref.WeakKeyDictionary[Any, EngineScheduler] = weakref.WeakKeyDictionary()
 
@@ -32,7 +32,7 @@ def engine_load(in_engine: int, max_num_seqs: int) -> EngineLoad:
 
 
 class EngineScheduler:
-    def __init__(self, config: Config, engine: SpeechEngine) -> None:
+    def __init__(self, config: GatewaySettings, engine: SpeechEngine) -> None:
         self.engine = engine
         self.max_num_seqs = max(1, config.engine.max_num_seqs)
         sc = config.scheduler

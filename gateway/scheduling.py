@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from voicegw.config import SchedulerConfig
+from gateway.config import SchedulerConfig
 
 #: Error code of an admission refusal: the gateway's ``error`` message ``code``
 #: (``gateway.protocol.ErrorCode.ENGINE_OVERLOADED``; a test keeps them equal).

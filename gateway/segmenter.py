@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from voicegw.config import SegmenterConfig
+from gateway.config import SegmenterConfig
 
 SENTENCE_END_ASCII = frozenset(".!?")
 CLAUSE_ASCII = frozenset(",;:")

@@ -41,6 +41,7 @@ from websockets.typing import Subprotocol
 from engine.api import EngineError, EngineErrorKind, EngineOverloaded, SpeechEngine, SpeechRequest
 from gateway import dialects
 from gateway import protocol as P
+from gateway.config import GatewaySettings
 from gateway.dispatch import EngineScheduler
 from gateway.flow import WaterMarks
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -59,7 +60,6 @@ from gateway.session import (
     TtfaParts,
 )
 from gateway.transport import Transport
-from voicegw.config import Config
 
 log = logging.getLogger("voicegw.gateway")
 
@@ -83,9 +83,13 @@ _ABORT_WAIT_S = 2.0
 
 
 def default_static_dir() -> Path:
-    import clients
+    """The web client's files (``clients/web``), found without importing the ``clients`` package:
+    the gateway serves them as data."""
+    import importlib.util
 
-    return Path(clients.__file__).resolve().parent / "web"
+    spec = importlib.util.find_spec("clients")
+    assert spec is not None and spec.submodule_search_locations, "the clients package is not installed"
+    return Path(next(iter(spec.submodule_search_locations))).resolve() / "web"
 
 
 def _response(status: int, body: bytes, content_type: str, headers: list[tuple[str, str]] | None = None,
@@ -138,7 +142,7 @@ class GatewayServer:
 
     def __init__(
         self,
-        config: Config,
+        config: GatewaySettings,
         engine: SpeechEngine,
         *,
         static_dir: Path | None = None,

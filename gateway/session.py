@@ -30,9 +30,9 @@ from typing import Any
 from engine.api import NATIVE_SAMPLE_RATE_HZ, SAMPLES_PER_STEP, AudioChunk, SamplingParams, SpeechRequest
 from gateway import protocol as P
 from gateway.audio import encode_samples
+from gateway.config import GatewaySettings, LimitsConfig, SessionConfig
 from gateway.flow import FlowConfig, FlowControl
 from gateway.segmenter import Segmenter, is_cjk, is_speakable, text_units, word_timings
-from voicegw.config import Config, LimitsConfig, SessionConfig
 
 _log = logging.getLogger("voicegw.session")
 
@@ -51,15 +51,15 @@ def _voice_for_log(voice: str | int | None) -> str:
 
 @dataclass(frozen=True)
 class SessionSettings(SessionConfig):
-    """Everything a session needs to know, read once from the Config: its ``[session]`` section
-    (``voicegw.config.SessionConfig``, the segmenter included) plus the limits and the engine's
+    """Everything a session needs to know, read once from the settings: its ``[session]`` section
+    (``gateway.config.SessionConfig``, the segmenter included) plus the limits and the engine's
     name."""
 
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     engine_name: str = "unknown"
 
     @classmethod
-    def from_config(cls, config: Config, engine_name: str, **overrides: Any) -> SessionSettings:
+    def from_config(cls, config: GatewaySettings, engine_name: str, **overrides: Any) -> SessionSettings:
         session = {f.name: getattr(config.session, f.name) for f in fields(SessionConfig)}
         return cls(**{**session, **overrides}, limits=config.limits, engine_name=engine_name)
 

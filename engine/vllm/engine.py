@@ -38,12 +38,12 @@ from engine.api import (
     SamplingParams,
     SpeechRequest,
 )
+from engine.config import EngineConfig
 from engine.prompt import CodeModelInfo, PromptBuilder
 from engine.speaker import ResolvedSpeaker, SpeakerError, resolve_speaker
 from engine.vllm._env import child_env, prepare
 from engine.vllm.channel import ENV_KEY, FrameTable, TableSpec
 from engine.vllm.state import EXTRA_KEY, RequestParams, encode_vector
-from voicegw.config import EngineConfig
 
 _log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
     from websockets.datastructures import Headers
 
+    from gateway.config import GatewaySettings
     from gateway.metrics import GatewayMetrics
-    from voicegw.config import Config
 
 
 class Host(Protocol):
@@ -41,7 +41,7 @@ class Host(Protocol):
     a connection (a dialect socket, an HTTP exchange). The dialects import nothing of the server."""
 
     @property
-    def config(self) -> Config: ...
+    def config(self) -> GatewaySettings: ...
 
     @property
     def metrics(self) -> GatewayMetrics: ...
