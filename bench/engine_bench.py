@@ -292,7 +292,8 @@ async def start_spy(args: argparse.Namespace, backend: str, concurrency: int) ->
 async def run(args: argparse.Namespace, model_dir: Path) -> int:
     import logging
 
-    from voicegw.config import EngineConfig
+    from engine.build import CODE_ENGINES, build_code_engine
+    from engine.config import EngineConfig
 
     logging.getLogger("chattts").setLevel(logging.ERROR)  # "incomplete result" per request
     concurrency = [int(c) for c in args.concurrency.split(",") if c]
@@ -301,7 +302,7 @@ async def run(args: argparse.Namespace, model_dir: Path) -> int:
     starts: dict[str, float] = {}
     for backend in backends:
         cfg = EngineConfig(
-            backend=backend,
+            backend="vllm" if backend == "stock" else backend,  # stock: vLLM's own model path
             device="cpu" if args.device == "cpu" else args.device,
             max_num_seqs=args.max_num_seqs or max(concurrency),
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -312,17 +313,11 @@ async def run(args: argparse.Namespace, model_dir: Path) -> int:
             cpu_reserved_cores=0,  # GPT alone: every core to the worker (figures in RESULTS.md)
         )
         t = time.monotonic()
-        if backend == "vllm":
-            from engine.vllm.engine import VllmCodeEngine
-
+        if backend == "stock":
+            eng: Any = StockEngine(model_dir, cfg, async_scheduling=cfg.async_scheduling)
+        elif backend in CODE_ENGINES:
             extra = {"compilation_config": {"cudagraph_mode": args.cudagraph_mode}} if args.cudagraph_mode else None
-            eng: Any = VllmCodeEngine(model_dir, cfg, engine_args=extra)
-        elif backend == "stock":
-            eng = StockEngine(model_dir, cfg, async_scheduling=cfg.async_scheduling)
-        elif backend == "reference":
-            from engine.reference import ReferenceCodeEngine
-
-            eng = ReferenceCodeEngine(model_dir, cfg)
+            eng = build_code_engine(cfg, model_dir, **({"engine_args": extra} if backend == "vllm" else {}))
         else:
             print(f"unknown backend {backend}", file=sys.stderr)
             return 2

@@ -36,8 +36,8 @@ TEXTS = (
 
 async def run_engine(model_dir: Path, args: argparse.Namespace, eager: bool) -> tuple[dict[str, np.ndarray], float]:
     from engine.api import SamplingParams, SpeechRequest
-    from engine.vllm.engine import VllmCodeEngine
-    from voicegw.config import EngineConfig
+    from engine.build import build_code_engine
+    from engine.config import EngineConfig
 
     cfg = EngineConfig(
         backend="vllm",
@@ -50,7 +50,7 @@ async def run_engine(model_dir: Path, args: argparse.Namespace, eager: bool) -> 
         kv_cache_gib=args.kv_gib,
     )
     t0 = time.monotonic()
-    eng: Any = VllmCodeEngine(model_dir, cfg)
+    eng: Any = build_code_engine(cfg, model_dir)
     await eng.start()
     start_s = time.monotonic() - t0
     params = SamplingParams(temperature=0.0, max_new_tokens=args.steps, min_new_tokens=args.steps, ignore_eos=True, seed=0)

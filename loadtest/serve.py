@@ -7,8 +7,10 @@ vLLM engine core is a child process) and stops it on exit (SIGTERM to its proces
 SIGKILL). ``start``/``stop`` outside ``with``; ``kill`` is a crash from outside (SIGKILL to the
 group); ``healthz``, ``alive``, ``port`` and ``pid`` for tests.
 
-Engines: ``fake`` (``loadtest.simengine.FakeSpeechEngine``, a sine tone), ``sim`` (``loadtest.simengine``: vLLM-like batch scheduling without a model), ``vllm`` (``engine.factory`` code engine + ``engine.speech.ChatTTSSpeech``, as ``voicegw
-serve`` builds it) and ``espeak`` (``voicegw.runtime.build_speech_engine``), ``native``
+Engines: the backends of ``voicegw serve`` (``engine.config.BACKENDS``: ``vllm``, ``reference``,
+``espeak``), built by ``engine.build.build_speech_engine`` as ``voicegw serve`` builds them; the
+test doubles ``fake`` (``loadtest.fakes.FakeSpeechEngine``, a sine tone) and ``sim``
+(``loadtest.fakes.SimBatchEngine``: vLLM-like batch scheduling without a model); ``native``
 (``loadtest.baseline.NativePipelineSpeech``: upstream ChatTTS streaming, one at a time).
 """
 
@@ -29,10 +31,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from engine.config import BACKENDS
 from loadtest.procmem import RssSampler
 
 READY_PREFIX = "READY "
-ENGINES = ("fake", "sim", "vllm", "native", "espeak")
+#: The load test's own engines (test doubles, the upstream baseline); the rest are the product's.
+TEST_ENGINES = ("fake", "sim", "native")
+ENGINES = (*TEST_ENGINES, *BACKENDS)
 #: Longest wait for a server to come up (a vLLM engine start on CPU takes 15-75 s).
 START_TIMEOUT_S = 240.0
 
@@ -201,7 +206,7 @@ def _build_config(args: argparse.Namespace) -> Any:
     from voicegw.config import load_config
 
     overrides: dict[str, Any] = {"gateway.host": "127.0.0.1", "gateway.port": 0, "gateway.shutdown_grace_s": 1.0}
-    if args.engine in ("vllm", "espeak"):
+    if args.engine in BACKENDS:
         overrides["engine.backend"] = args.engine
     if args.engine == "vllm":
         overrides["engine.kv_cache_gib"] = 1.0  # shared 2-core dev machine; --set overrides
@@ -216,28 +221,20 @@ def _build_config(args: argparse.Namespace) -> Any:
 
 def _make_engine(kind: str, cfg: Any) -> Any:
     if kind == "fake":
-        from loadtest.simengine import FakeSpeechEngine
+        from loadtest.fakes import FakeSpeechEngine
 
         return FakeSpeechEngine()
     if kind == "sim":
-        from loadtest.simengine import SimBatchEngine
+        from loadtest.fakes import SimBatchEngine
 
         return SimBatchEngine(max_num_seqs=cfg.engine.max_num_seqs)
     if kind == "native":
         from loadtest.baseline import NativePipelineSpeech
 
         return NativePipelineSpeech(cfg.engine.model_dir, default_speaker=cfg.engine.default_speaker)
-    if kind == "vllm":
-        # the same composition as voicegw.runtime.build_speech_engine, with no fallback
-        from engine.factory import create_code_engine
-        from engine.speech import ChatTTSSpeech, build_decoder
+    from engine.build import build_speech_engine
 
-        code = create_code_engine(cfg.engine, cfg.engine.model_dir)
-        decoder = build_decoder(cfg.engine, cfg.engine.model_dir, device=str(getattr(code, "device", "cpu")))
-        return ChatTTSSpeech(code, decoder, cfg.engine)
-    from voicegw.runtime import build_speech_engine
-
-    return build_speech_engine(cfg)
+    return build_speech_engine(cfg.engine)
 
 
 def generated_model_dir(size: Literal["tiny", "small"] = "tiny") -> str:
@@ -250,13 +247,13 @@ def generated_model_dir(size: Literal["tiny", "small"] = "tiny") -> str:
 
 
 async def _child(args: argparse.Namespace) -> None:
-    if args.engine in ("vllm", "native", "espeak"):
+    if args.engine not in ("fake", "sim"):
         from engine._compat import ensure_torch_companions
 
         ensure_torch_companions()  # before anything imports transformers, vocos or chattts
     from gateway.app import serve
 
-    if args.engine in ("vllm", "native") and not args.model_dir:
+    if args.engine in ("vllm", "reference", "native") and not args.model_dir:
         args.model_dir = generated_model_dir()
     cfg = _build_config(args)
     eng = _make_engine(args.engine, cfg)

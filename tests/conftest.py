@@ -4,7 +4,7 @@
 reliability). ``VOICEGW_TEST_ENGINE`` picks it: ``vllm`` (default: ChatTTS GPT in vLLM on the
 tiny checkpoint + the streaming decoder, sharing the session's ``vllm_engine`` with the parity
 tests), ``reference`` (upstream chattts in-process + the decoder), ``espeak``, or ``fake`` (the
-sine-tone double ``loadtest.simengine.FakeSpeechEngine``, for quick local runs). Tests that need the
+sine-tone double ``loadtest.fakes.FakeSpeechEngine``, for quick local runs). Tests that need the
 double's knobs use ``fake_engine`` instead.
 
 The checkpoint is the tiny random one with its attention projections scaled by
@@ -157,14 +157,14 @@ async def speech_engine(_session_code_engine: Any, request: pytest.FixtureReques
         ecfg = replace(session_engine_config(), backend=ENGINE_KIND)
         eng = ChatTTSSpeech(_Borrowed(_session_code_engine), build_decoder(ecfg, str(model_dir)), ecfg)
     elif ENGINE_KIND == "fake":
-        from loadtest.simengine import FakeSpeechEngine
+        from loadtest.fakes import FakeSpeechEngine
 
         eng = FakeSpeechEngine()
     else:
-        from voicegw.config import Config, EngineConfig
-        from voicegw.runtime import build_speech_engine
+        from engine.build import build_speech_engine
+        from engine.config import EngineConfig
 
-        eng = build_speech_engine(Config(engine=EngineConfig(backend=ENGINE_KIND, device="cpu")))
+        eng = build_speech_engine(EngineConfig(backend=ENGINE_KIND, device="cpu"))
     await eng.start()
     # as `voicegw serve` does once its engine is up: a full GC of the start-up heap (torch, vLLM,
     # Playwright in this process) would stall the in-process gateways' event loop for seconds
@@ -178,7 +178,7 @@ async def speech_engine(_session_code_engine: Any, request: pytest.FixtureReques
 @pytest.fixture
 def fake_engine() -> Any:
     """A fresh sine-tone test double (failure injection, exact lengths)."""
-    from loadtest.simengine import FakeSpeechEngine
+    from loadtest.fakes import FakeSpeechEngine
 
     return FakeSpeechEngine()
 
