@@ -1,67 +1,14 @@
-"""Choosing and building the speech engine for ``voicegw serve`` (one place).
-
-``engine.backend``:
-- ``vllm``: ChatTTS GPT in vLLM + the streaming decoder. Needs weights.
-- ``reference``: upstream chattts in-process + the streaming decoder (the native pipeline).
-- ``synthetic``: random codes at a set pace (``engine.synthetic``) + the real streaming decoder
-  of the model directory: gateway pacing tests without a GPU.
-- ``espeak``: eSpeak NG (bundled by the ``espeakng-loader`` wheel), no weights needed.
-- ``auto`` (default): ``vllm`` when ChatTTS weights are found (or downloaded with
-  ``engine.download``), else ``espeak`` with a WARNING naming what is missing.
-"""
+"""``voicegw serve``: the platform's automatic settings resolved once, then one gateway process
+with its engine (``engine.build.build_speech_engine``) or a group of them (``voicegw.group``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
 
-from engine.api import SpeechEngine
 from voicegw.config import Config, on_cuda
 
 log = logging.getLogger("voicegw")
-
-
-def build_speech_engine(cfg: Config, *, shared: Any = None) -> SpeechEngine:
-    """An unstarted ``SpeechEngine`` for ``cfg.engine`` (see the module docstring). ``shared``:
-    a client of the group's engine core (``engine.vllm.group``)."""
-    from engine._compat import ensure_torch_companions
-
-    ensure_torch_companions()  # before anything imports transformers, vocos or chattts
-    from engine.model_dir import ModelNotFound, resolve_model_dir
-
-    ecfg = cfg.engine
-    backend = ecfg.backend
-    if backend in ("auto", "vllm", "reference", "synthetic"):
-        try:
-            model_dir = resolve_model_dir(ecfg.model_dir, allow_download=ecfg.download)
-        except ModelNotFound as exc:
-            if backend != "auto" or ecfg.model_dir or ecfg.download:
-                raise  # a model was asked for: fail, never serve something else in its place
-            log.warning(
-                "%s -- serving with the eSpeak NG fallback engine instead of ChatTTS. "
-                "To serve ChatTTS: --model-dir DIR (upstream layout) or --download (needs network).",
-                exc,
-            )
-            backend = "espeak"
-        else:
-            from engine.factory import create_code_engine
-            from engine.speech import ChatTTSSpeech, build_decoder
-
-            if ecfg.decoder_torch_threads > 0:
-                import torch
-
-                torch.set_num_threads(ecfg.decoder_torch_threads)
-            code = create_code_engine(ecfg, model_dir, shared=shared)
-            code_backend = code.name
-            device = ecfg.decoder_device or getattr(code, "device", "cpu")
-            decoder = build_decoder(ecfg, str(model_dir), device=str(device),
-                                    attach=getattr(shared, "decoder", None))
-            log.info("engine: ChatTTS (%s) from %s", code_backend, model_dir)
-            return ChatTTSSpeech(code, decoder, ecfg)
-    from engine.espeak import EspeakSpeech
-
-    return EspeakSpeech(default_speaker=ecfg.default_speaker)
 
 
 def serve(cfg: Config) -> int:
@@ -82,17 +29,18 @@ def serve(cfg: Config) -> int:
                  cfg.gateway.processes, e.enforce_eager, e.max_num_seqs, e.max_num_batched_tokens, e.decoder_max_batch)
     if cfg.gateway.processes > 1:
         return _serve_group(cfg)
+    from engine.build import build_speech_engine
+
     try:
-        speech = build_speech_engine(cfg)
+        speech = build_speech_engine(cfg.engine)
     except Exception as exc:  # noqa: BLE001 - startup failure: one clear line, exit 2
         log.error("cannot start the engine: %s", exc)
         return 2
     return run_gateway(cfg, speech)
 
 
-#: ``gateway.processes`` 0 on a CUDA vLLM engine. Measured on an H200 (2026-12-03, bench/RESULTS.md):
-#: 4 processes with one decoder carried 400 sessions with zero underruns and 565x real time closed
-#: loop, where one process had 39 underruns at 256 arriving within 2 s and 276x.
+#: ``gateway.processes`` 0 on a CUDA vLLM engine: one asyncio process's GIL is the limit there
+#: long before the GPU is, so the front end is spread over this many (bench/RESULTS.md).
 AUTO_GPU_PROCESSES = 4
 
 
@@ -111,8 +59,7 @@ def on_cuda_vllm(cfg: Config) -> bool:
         return False
     try:
         # vLLM's platform probe (NVML), not torch.cuda: CUDA initialised in this process would break
-        # the engine core that vLLM forks from it (measured: "Cannot re-initialize CUDA in forked
-        # subprocess" on the H200, 2026-12-03)
+        # the engine core that vLLM forks from it ("Cannot re-initialize CUDA in forked subprocess")
         from engine.vllm._env import prepare
 
         prepare()
@@ -134,7 +81,7 @@ def resolve_platform(cfg: Config, cuda: bool) -> Config:
 
 
 def _serve_group(cfg: Config) -> int:
-    """``gateway.processes`` > 1: the launcher/supervisor of ``engine.vllm.group``."""
+    """``gateway.processes`` > 1: the launcher/supervisor of ``voicegw.group``."""
     from engine._compat import ensure_torch_companions
     from engine.model_dir import resolve_model_dir
 
@@ -146,7 +93,7 @@ def _serve_group(cfg: Config) -> int:
         from engine.vllm._env import prepare
 
         prepare()
-        from engine.vllm.group import serve_group
+        from voicegw.group import serve_group
     except Exception as exc:  # noqa: BLE001 - startup failure: one clear line, exit 2
         log.error("cannot start %d gateway processes: %s", cfg.gateway.processes, exc)
         return 2

@@ -1,4 +1,4 @@
-"""``gateway.processes`` > 1 (``engine.vllm.group``): gateway processes sharing the port and one
+"""``gateway.processes`` > 1 (``voicegw.group``): gateway processes sharing the port and one
 vLLM engine core through vLLM's multi-client front end. A real ``voicegw serve`` subprocess on the
 tiny checkpoint, real clients over real sockets."""
 
@@ -223,7 +223,7 @@ def test_a_failed_group_start_leaves_no_shared_memory_files(tiny_model_dir: Path
     """The launcher creates the frame table and the decoder's samples file before vLLM's launcher
     runs; when the start fails after that (here: vLLM's launcher raises) it exits 2 with one line
     and removes both files."""
-    import engine.vllm.group as group
+    import voicegw.group as group
     from engine.shm import shm_dir
     from voicegw.config import load_config
 
@@ -237,7 +237,7 @@ def test_a_failed_group_start_leaves_no_shared_memory_files(tiny_model_dir: Path
         raise RuntimeError("no engine core today")
 
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the launcher sets vLLM's variables
-    monkeypatch.setattr(group, "_launch", refuse)
+    monkeypatch.setattr(group, "launch_core", refuse)
     cfg = load_config(env={}, overrides={
         "gateway.processes": 2, "gateway.port": _free_port(), "engine.backend": "vllm",
         "engine.model_dir": str(tiny_model_dir), "engine.device": "cpu", "engine.max_num_seqs": 8,

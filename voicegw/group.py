@@ -13,7 +13,8 @@ uses), not a broker of ours:
    └── gateway process N-1
 ```
 
-* **Engine core**: launched here with vLLM's ``launch_core_engines`` for N clients; each gateway
+* **Engine core**: launched here (``engine.vllm.launch.launch_core``: vLLM's ``launch_core_engines``)
+  for N clients; each gateway
   process connects an ``AsyncLLM`` to it (``client_addresses``/``client_index``/``client_count``).
   One batch, one KV cache, one scheduler for all sessions.
 * **Frame table** (:mod:`engine.vllm.channel`): created here before the engine core starts; each
@@ -24,35 +25,34 @@ uses), not a broker of ours:
   retry/resume is stateless on the server (the client resends from a segment boundary), so a
   reconnect may land on any process.
 * **Decoder**: one decoder process for the group, started here once the engine core is up, one
-  socket and one range of sample rows per gateway process (``engine.decoder.client.shared_plan``).
-  One decoder process per gateway process lost on an H200 (2026-12-03 call 3: 469 vs 0 underruns at
-  256 sessions arriving within 2 s, 283x vs 565x real time closed loop): four CUDA contexts beside
-  the engine core's, each with a quarter of the batch.
+  socket and one range of sample rows per gateway process (``engine.vllm.launch.shared_decoder_plan``):
+  one batch for every session, one CUDA context beside the engine core's, rather than one decoder
+  per gateway process with a quarter of the batch each (bench/RESULTS.md).
 * **Failure**: vLLM's front end cannot restart an engine core it did not launch. When the engine
   core or any gateway process dies, this process stops the others (1012 to clients: reconnect and
   resume) and exits 1, for the service manager to start the group again.
 * **Shutdown**: SIGINT/SIGTERM go to every gateway process (graceful drain, ``shutdown_grace_s``;
   a second signal skips the grace), then the engine core stops.
 
-vLLM's launcher changed shape between releases (listeners bound by the launcher in 0.3x, ZMQ
-addresses bound by the clients in 0.26): :func:`_launch` speaks both.
+The building blocks of the launch (the engine core for N clients, the frame table's shares, the
+decoder's plan) are ``engine.vllm.launch``'s; this module starts and supervises the processes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import multiprocessing
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-from engine.vllm.channel import ENV_KEY, FrameTable
+from engine.vllm.channel import FrameTable
 from engine.vllm.engine import SharedClient, VllmCodeEngine
+from engine.vllm.launch import core_config, engine_dead, launch_core, shared_decoder_plan, slots_per_client
 from voicegw.config import Config
 
 log = logging.getLogger("voicegw")
@@ -63,61 +63,10 @@ _POLL_S = 0.5
 _EXIT_SLACK_S = 15.0
 
 
-def slots_per_client(max_num_seqs: int, count: int) -> int:
-    """Frame-table slots one of ``count`` front ends hands out: the single front end's
-    ``4 * max_num_seqs + 64`` shared out, each share keeping 64 spare (connections are spread by
-    a hash, not evenly)."""
-    return math.ceil(4 * max_num_seqs / count) + 64
-
-
-def _launch(vllm_config: Any, count: int, spawn: Callable[[list[dict[str, Any]]], list[Any]]) -> tuple[Any, Any, list[Any]]:
-    """Start vLLM's engine core(s) for ``count`` clients; ``spawn(client_configs)`` starts the
-    client processes while the engine starts (vLLM's handshake waits for both). Returns
-    (engine manager, DP coordinator or None, what ``spawn`` returned)."""
-    from vllm.v1.engine import utils as vu
-    from vllm.v1.executor import Executor
-
-    executor = Executor.get_class(vllm_config)
-    if hasattr(vu, "bind_engine_zmq_listeners"):  # vLLM 0.3x: the launcher binds, clients inherit
-        listeners = vu.bind_engine_zmq_listeners(vllm_config, count)
-        with vu.launch_core_engines(vllm_config, executor, False, listeners.addresses) as launch:
-            stats = launch.coordinator.get_stats_publish_address() if launch.coordinator else None
-            configs = []
-            for i, (inp, out) in enumerate(zip(listeners.inputs, listeners.outputs, strict=True)):
-                c: dict[str, Any] = {
-                    "input_address": inp.address, "output_address": out.address,
-                    "input_listener": inp.socket, "output_listener": out.socket,
-                    "client_count": count, "client_index": i,
-                }
-                if stats is not None:
-                    c["stats_update_address"] = stats
-                configs.append(c)
-            procs = spawn(configs)
-            for listener in (*listeners.inputs, *listeners.outputs):
-                listener.close()
-            launch.watched_frontend_processes = procs
-        return launch.engine_manager, launch.coordinator, procs
-    old: Any = vu  # vLLM 0.26 (the GPU hosts' release): the clients bind their addresses
-    addresses = old.get_engine_zmq_addresses(vllm_config, count)
-    launched: Any
-    with old.launch_core_engines(vllm_config, executor, False, addresses, count) as launched:
-        manager, coordinator, addrs = launched[0], launched[1], launched[2]
-        stats = coordinator.get_stats_publish_address() if coordinator else None
-        configs = []
-        for i in range(count):
-            c = {"input_address": addrs.inputs[i], "output_address": addrs.outputs[i],
-                 "client_count": count, "client_index": i}
-            if stats is not None:
-                c["stats_update_address"] = stats
-            configs.append(c)
-        procs = spawn(configs)
-    return manager, coordinator, procs
-
-
 def _gateway_process(cfg: Config, shared: SharedClient) -> None:
     """One gateway process of the group (the target of a spawned process)."""
+    from engine.build import build_speech_engine
     from gateway.app import configure_logging, run_gateway
-    from voicegw.runtime import build_speech_engine
 
     configure_logging(cfg.gateway)
     try:  # a name for ps/pgrep/py-spy (vLLM's own dependency; absent: the spawn command line)
@@ -127,7 +76,7 @@ def _gateway_process(cfg: Config, shared: SharedClient) -> None:
     except ImportError:
         pass
     try:
-        speech = build_speech_engine(cfg, shared=shared)
+        speech = build_speech_engine(cfg.engine, shared=shared)
     except Exception as exc:  # noqa: BLE001 - one clear line, exit 2
         log.error("gateway process %d: cannot build the engine: %s", shared.index, exc)
         sys.exit(2)
@@ -159,33 +108,16 @@ def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameT
                t0: float, made: list[str]) -> int:
     """The group's start and supervision (``serve_group``); the decoder samples file's path goes
     into ``made`` as soon as it exists, so that the caller removes it whatever happens."""
-    from engine.vllm._env import child_env
-    from engine.vllm.plugin import register
-
     n = cfg.gateway.processes
-    for k, v in {**proto.launch_env(), ENV_KEY: table.spec.to_env(), **child_env()}.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    register()
-    from vllm.usage.usage_lib import UsageContext
-
-    args = proto.engine_args()
-    args._api_process_count = n
-    args._api_process_rank = -1
-    vllm_config = args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    vllm_config = core_config(proto, table, n)
     ctx = multiprocessing.get_context("spawn")
     loads = ctx.RawArray("q", n)
-    from engine.decoder.client import shared_plan, spawn_worker
-    from engine.speech import build_decoder
+    from engine.decoder.client import spawn_worker
 
-    dec_settings = build_decoder(cfg.engine, model_dir, device=cfg.engine.decoder_device or proto.device).settings
-    dec_settings.slots = math.ceil(2 * cfg.engine.max_num_seqs / n) + 32
-    shares, theirs, dec_path = shared_plan(dec_settings, n)
+    dec_settings, shares, theirs, dec_path = shared_decoder_plan(cfg.engine, model_dir, proto.device, n)
     made.append(dec_path)
 
-    procs: list[Any] = []  # the gateway processes spawn() started (also when _launch fails after it)
+    procs: list[Any] = []  # the gateway processes spawn() started (also when launch_core fails after it)
 
     def spawn(configs: list[dict[str, Any]]) -> list[Any]:
         for i, c in enumerate(configs):
@@ -201,7 +133,7 @@ def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameT
         with stop.installed():
             try:
                 t_launch = time.monotonic()
-                manager, coordinator, _ = _launch(vllm_config, n, spawn)
+                manager, coordinator, _ = launch_core(vllm_config, n, spawn)
                 t_core = time.monotonic()
                 # after the engine core is up: vLLM sized its KV cache without the decoder's GPU
                 # memory in the way (the gateway processes wait for its ready message)
@@ -254,11 +186,6 @@ class _Signals:
                 signal.signal(s, h)
 
 
-def _engine_dead(manager: Any) -> bool:
-    procs = getattr(manager, "processes", None) or []
-    return any(not p.is_alive() for p in procs)
-
-
 def _supervise(procs: list[Any], manager: Any, stop: _Signals, cfg: Config, decoder: Any = None) -> int:
     forwarded = 0
     deadline: float | None = None
@@ -276,7 +203,7 @@ def _supervise(procs: list[Any], manager: Any, stop: _Signals, cfg: Config, deco
             if deadline is not None and time.monotonic() > deadline:
                 _stop_all(procs, cfg, force=True)
                 return 0
-        elif (_engine_dead(manager) or any(not p.is_alive() for p in procs)
+        elif (engine_dead(manager) or any(not p.is_alive() for p in procs)
               or (decoder is not None and decoder.poll() is not None)):
             dead = [p.name for p in procs if not p.is_alive()]
             if decoder is not None and decoder.poll() is not None:
