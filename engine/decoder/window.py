@@ -235,7 +235,7 @@ class ChunkPolicy:
       the chunk size must follow the lead, not the audio already emitted: a rule that
       doubles the chunk with the emitted audio (``first, first, 2*first, ...``, the rule
       without a lead) leaves ``E * (1 - 2/r)`` of margin before each chunk and underruns at
-      every stream start once the engine is under 2x real time (measured: bench/gateway_pacing.py);
+      every stream start once the engine is under 2x real time;
     * without a lead (``lead_steps=None``) the doubling rule above, capped at ``chunk_steps``.
 
     ``push_steps`` caps one forward at ``max_push_steps`` after the first chunk, so a backlog
