@@ -30,7 +30,7 @@ LONG = " ".join(["This is a long utterance that we are going to interrupt halfwa
 
 async def _make_engine() -> Any:
     if os.environ.get("VOICEGW_CLIENT_TEST_ENGINE", "espeak") == "fake":
-        from loadtest.simengine import FakeSpeechEngine
+        from loadtest.fakes import FakeSpeechEngine
 
         return FakeSpeechEngine()
     from engine.espeak import EspeakSpeech
@@ -395,7 +395,7 @@ async def test_text_streamed_during_an_outage_is_sent_after_the_reconnect() -> N
     unfinished utterance from its first segment not received whole, then the tokens produced
     meanwhile, and the utterance ends with every word spoken once."""
     from clients.python import ClientEvent, RetryPolicy
-    from loadtest.simengine import FakeSpeechEngine
+    from loadtest.fakes import FakeSpeechEngine
 
     eng = FakeSpeechEngine()
     server = await _start(eng)

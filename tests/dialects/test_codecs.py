@@ -15,7 +15,7 @@ from openai import AsyncOpenAI
 from websockets.asyncio.client import connect
 
 from gateway.dialects.audio import av_available
-from loadtest.simengine import FakeSpeechEngine
+from loadtest.fakes import FakeSpeechEngine
 from tests.dialects.test_http_audio import _dg
 from tests.gateway.conftest import GatewayFactory
 

@@ -13,7 +13,7 @@ from deepgram.speak.v1.types import SpeakV1Text
 from websockets.exceptions import ConnectionClosed
 
 from gateway.dialects.voices import DEEPGRAM
-from loadtest.simengine import FakeSpeechEngine
+from loadtest.fakes import FakeSpeechEngine
 from tests.dialects.conftest import CountingEngine
 from tests.gateway.conftest import GatewayFactory, wait_until
 

@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
 
-from loadtest.simengine import FakeSpeechEngine
+from loadtest.fakes import FakeSpeechEngine
 from tests.dialects.conftest import CountingEngine
 from tests.gateway.conftest import GatewayFactory, wait_until
 

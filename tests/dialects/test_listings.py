@@ -16,7 +16,7 @@ from openai import AsyncOpenAI
 from websockets.asyncio.client import connect
 
 from gateway.dialects import voices
-from loadtest.simengine import FakeSpeechEngine
+from loadtest.fakes import FakeSpeechEngine
 from tests.gateway.conftest import GatewayFactory
 
 

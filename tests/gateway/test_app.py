@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent(
     """
     import sys
     from gateway.app import run_gateway
-    from loadtest.simengine import FakeSpeechEngine
+    from loadtest.fakes import FakeSpeechEngine
     from voicegw.config import load_config
     config = load_config(env={}, overrides={"gateway.port": int(sys.argv[1]), "gateway.log_json": True,
                                             "gateway.shutdown_grace_s": 5.0})

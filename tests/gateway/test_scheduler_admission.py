@@ -10,7 +10,7 @@ from typing import Any
 
 from gateway.dispatch import EngineScheduler
 from gateway.server import GatewayServer
-from loadtest.simengine import FakeSpeechEngine
+from loadtest.fakes import FakeSpeechEngine
 from tests.gateway.conftest import wait_until
 from tests.transcript import Transcript, fast_client, quiet_client
 from voicegw.config import Config, EngineConfig, GatewayConfig, SchedulerConfig

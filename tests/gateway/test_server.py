@@ -22,7 +22,7 @@ from clients.python import NO_RETRY, Client, VoicegwError
 from engine.api import SpeechEngine
 from gateway import protocol as P
 from gateway.audio import mulaw_decode
-from loadtest.simengine import FakeSpeechEngine
+from loadtest.fakes import FakeSpeechEngine
 from tests.gateway.conftest import GatewayFactory, wait_until
 from tests.reliability.rawws import OP_BINARY, OP_TEXT, RawConn
 from tests.transcript import Transcript, fast_client, quiet_client

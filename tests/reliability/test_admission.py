@@ -22,7 +22,7 @@ from clients.python import VoicegwError
 from gateway import protocol as P
 from gateway.app import configure_logging
 from gateway.server import GatewayServer
-from loadtest.simengine import FakeSpeechEngine
+from loadtest.fakes import FakeSpeechEngine
 from tests.gateway.conftest import GatewayFactory, wait_until
 from tests.reliability.helpers import assert_drained, assert_still_serving
 from tests.reliability.rawws import (

@@ -374,7 +374,7 @@ async def _utterances_with_reports(server: Any, played_of: Any, n: int, within_s
 
 
 async def test_cumulative_played_counter_paces_by_the_engine(make_gateway: Any):
-    from loadtest.simengine import FakeSpeechEngine
+    from loadtest.fakes import FakeSpeechEngine
 
     async with make_gateway(FakeSpeechEngine()) as server:
         took = await _utterances_with_reports(server, lambda per_utt, total: total, 4, within_s=5)
@@ -382,7 +382,7 @@ async def test_cumulative_played_counter_paces_by_the_engine(make_gateway: Any):
 
 
 async def test_client_that_resets_its_played_counter_still_gets_its_utterances(make_gateway: Any):
-    from loadtest.simengine import FakeSpeechEngine
+    from loadtest.fakes import FakeSpeechEngine
 
     async with make_gateway(FakeSpeechEngine()) as server:
         # each utterance is ~2 s of audio; a reset counter is not trusted, so real-time pacing is fine

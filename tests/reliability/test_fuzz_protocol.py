@@ -39,7 +39,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.typing import Subprotocol
 
 from gateway import protocol as P
-from loadtest.simengine import FakeSpeechEngine
+from loadtest.fakes import FakeSpeechEngine
 from tests.reliability.threaded import ThreadedGateway
 
 MAX_TEXT_CHARS = 40

@@ -23,7 +23,7 @@ import pytest
 
 from gateway import protocol as P
 from gateway.app import JsonFormatter
-from loadtest.simengine import FakeSpeechEngine
+from loadtest.fakes import FakeSpeechEngine
 from tests.gateway.conftest import GatewayFactory
 from tests.transcript import fast_client
 from voicegw.config import LimitsConfig

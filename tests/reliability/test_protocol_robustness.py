@@ -13,7 +13,7 @@ import struct
 import pytest
 
 from gateway import protocol as P
-from loadtest.simengine import FakeSpeechEngine
+from loadtest.fakes import FakeSpeechEngine
 from tests.gateway.conftest import GatewayFactory, wait_until
 from tests.reliability.helpers import assert_drained, assert_still_serving, fd_count
 from tests.reliability.rawws import (
