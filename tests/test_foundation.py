@@ -39,6 +39,9 @@ def test_defaults_and_precedence(tmp_path: Path) -> None:
         ({"VOICEGW_ENGINE_ENFORCE_EAGER": "maybe"}, "engine.enforce_eager: expected a boolean"),
         ({"VOICEGW_GATEWAY_PROT": "1"}, "gateway.prot: unknown setting; known:"),
         ({"VOICEGW_ENGINE_DECODER_DEVICE": "gpu1"}, "engine.decoder_device: expected '', 'cpu', 'cuda' or 'cuda:N'"),
+        ({"VOICEGW_ENGINE_BACKEND": "synthetic"}, "engine.backend: 'synthetic' was removed"),
+        ({"VOICEGW_ENGINE_SYNTHETIC_STEPS_PER_S": "86"},
+         "engine.synthetic_steps_per_s: removed with the synthetic backend; remove it from the configuration"),
     ],
 )
 def test_validation_messages_are_clear(env: dict[str, str], message: str) -> None:
