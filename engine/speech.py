@@ -105,7 +105,7 @@ class ChatTTSSpeech:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        # A client of an engine core launched by another process (engine.vllm.group) connects
+        # A client of an engine core launched by another process (engine.vllm.launch) connects
         # first: that returns once the engine core is up, KV cache sized, so the decoder's GPU
         # memory is not taken while vLLM measures what it may use.
         shared = getattr(self._code, "shared", None) is not None

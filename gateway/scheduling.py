@@ -3,8 +3,8 @@
 Pure policy: no asyncio, no sockets, no torch. The gateway's dispatch (``gateway/dispatch.py``)
 feeds it numbers (engine load, step times, segment lengths) and acts on what it returns. The
 engine itself schedules first come, first served (vLLM's default ``fcfs``): the gateway sets no
-request priorities. (Deadline priorities, vLLM ``scheduling_policy="priority"``, were measured to
-lose to FCFS on an H200 and are gone: bench/RESULTS.md.)
+request priorities (deadline priorities, vLLM ``scheduling_policy="priority"``, lost to FCFS:
+bench/RESULTS.md).
 
 * ``AdmissionController``: before an utterance starts, estimate its time-to-first-audio from the
   engine load (running / waiting counts, ``max_num_seqs``; under FCFS every waiting request is

@@ -182,7 +182,7 @@ class GatewayServer:
             close_timeout=_CLOSE_WAIT_S,
             server_header="voicegw",
             create_connection=dialects.front_connection(self),  # POST /v1/audio/speech: gateway/dialects
-            reuse_port=g.processes > 1,  # engine.vllm.group: the kernel spreads connections
+            reuse_port=g.processes > 1,  # voicegw.group: the kernel spreads connections
         )
         sock = self._ws.sockets[0]
         self.port = sock.getsockname()[1]

@@ -724,7 +724,7 @@ class Session:
         an utterance's first segment not counted (it is short, for a fast first audio: its audio
         alone does not cover the next segment's time to first audio under load, so the second one
         generates beside it). One generating at a time keeps vLLM's batch near one request per
-        speaking session; two lost on an H200 (``SessionConfig.max_in_flight``)."""
+        speaking session (``SessionConfig.max_in_flight``)."""
         if len(self._streams) >= self.settings.max_in_flight:
             return False
         return not any(s.generating and s.seg.index > 0 for s in self._streams)

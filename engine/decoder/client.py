@@ -421,7 +421,7 @@ class DecoderClient:
 @dataclass(frozen=True)
 class SharedDecoder:
     """One gateway process's share of a decoder process several gateway processes use
-    (``engine.vllm.group``): its socket, the samples file, its slot rows there."""
+    (``engine.vllm.launch``): its socket, the samples file, its slot rows there."""
 
     sock: socket.socket
     shm_path: str
@@ -464,7 +464,7 @@ def spawn_worker(s: DecoderSettings, theirs: list[socket.socket], shm_path: str,
 
 
 def shared_plan(s: DecoderSettings, clients: int) -> tuple[list[SharedDecoder], list[socket.socket], str]:
-    """What one decoder process for ``clients`` gateway processes needs (``engine.vllm.group``): a
+    """What one decoder process for ``clients`` gateway processes needs (``engine.vllm.launch``): a
     ``SharedDecoder`` per client, the worker's ends of the sockets (for ``spawn_worker``, then
     close them) and the samples file (unlink it once every client has mapped it)."""
     out_cap = s.job_cap_steps * SAMPLES_PER_STEP

@@ -2,7 +2,7 @@
 
 The gateway (``engine.decoder.client``) starts it with ``python -m engine.decoder.worker`` and
 talks to it over an ``AF_UNIX``/``SOCK_SEQPACKET`` socket, one per gateway process when several
-share it (``engine.vllm.group``; one message per request or reply, fixed ``struct`` headers, no
+share it (``engine.vllm.launch``; one message per request or reply, fixed ``struct`` headers, no
 pickling), and one shared-memory file of output samples
 (``float32[slots, out_cap]``): a job's samples are written into its stream's slot, the reply
 carries their count, and the gateway copies them out before that stream's next job (a stream has
@@ -254,7 +254,7 @@ def _send(sock: socket.socket, kind: int, status: int, job: int, samples: int) -
 def serve(args: dict[str, Any], socks: list[socket.socket]) -> None:
     """Load the vocoder, warm up (CUDA graphs), report ready, then decode until every socket
     closes. One socket per client: several gateway processes may share this process
-    (``engine.vllm.group``); client ``c``'s slot ``s`` is row ``c * slots_per_client + s`` of the
+    (``engine.vllm.launch``); client ``c``'s slot ``s`` is row ``c * slots_per_client + s`` of the
     samples file, and job ids are translated so that clients' ids never meet."""
     import torch
 

@@ -62,7 +62,7 @@ class _Live:
 @dataclasses.dataclass(frozen=True)
 class SharedClient:
     """This front end's share of an engine core launched by another process
-    (:mod:`engine.vllm.group`): vLLM's multi-client front end, one client per gateway process."""
+    (:mod:`engine.vllm.launch`): vLLM's multi-client front end, one client per gateway process."""
 
     client_config: dict[str, Any]
     """What vLLM's ``AsyncLLM`` takes as ``client_addresses`` (its ZMQ endpoints, index, count)."""
@@ -342,8 +342,8 @@ class VllmCodeEngine:
         and without a seed, alone and then three in one batch. vLLM's logprob-rank kernel is a
         ``torch.compile`` function (inductor on CPU): compiled for batch size 1 at its first call
         and compiled again, shape-generic, at its first call with a larger batch. On CPU each
-        compile runs g++ for seconds; left to live traffic it stalls every stream (measured:
-        a 2.4 s freeze and an underrun in the browser test when a second stream joined)."""
+        compile runs g++ for seconds; left to live traffic it stalls every stream in the batch
+        (a freeze long enough to underrun a listener when a second stream joins)."""
 
         async def one(i: int, temp: float, seed: int | None) -> None:
             req = SpeechRequest(
@@ -368,7 +368,7 @@ class VllmCodeEngine:
         waited while another restarted finds the engine healthy and returns (two restarts at once
         would shut down the engine the other just built, minutes later, under live traffic).
         A client never restarts a shared engine core: the launching process stops the whole group
-        when it dies, for the service manager to start it again (``engine.vllm.group``)."""
+        when it dies, for the service manager to start it again (``engine.vllm.launch``)."""
         if self.shared is not None:
             raise EngineError("the shared engine core died; the group is stopping", EngineErrorKind.UNRECOVERABLE)
         async with self._restart_lock:
