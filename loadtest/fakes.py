@@ -15,6 +15,10 @@ double, and ``loadtest.serve --engine fake``).
 
 ``SimBatchEngine``: a batch engine with vLLM's scheduling semantics (``--engine sim``).
 
+``CountingEngine``: wraps any ``SpeechEngine``, counts each request's samples (the dialect tests).
+``FakeCodeEngine``: a ``CodeEngine`` that yields predetermined codes in pieces (the streaming
+decoder's tests under ``ChatTTSSpeech``).
+
 Not a benchmark of anything real: it lets the load test show what batching and admission do
 in seconds, without a model. It mimics the parts of vLLM v1 (0.32) that decide time to first
 audio:
@@ -42,10 +46,12 @@ from engine.api import (
     NATIVE_SAMPLE_RATE_HZ,
     SAMPLES_PER_STEP,
     AudioChunk,
+    CodeFrames,
     EngineError,
     EngineErrorKind,
     EngineHealth,
     EngineOverloaded,
+    SpeechEngine,
     SpeechRequest,
 )
 from engine.decoder.window import ChunkPolicy, StreamLead
@@ -234,3 +240,117 @@ class FakeSpeechEngine:
         finally:
             self._running.discard(rid)
             self._abort_flags.discard(rid)
+
+
+@dataclass
+class CountingEngine:
+    """Delegates to ``inner``; counts the samples of each request and when the last chunk came."""
+
+    inner: SpeechEngine
+    samples: dict[str, int] = field(default_factory=dict)
+    requests: list[SpeechRequest] = field(default_factory=list)
+    last_chunk_s: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def native_sample_rate_hz(self) -> int:
+        return self.inner.native_sample_rate_hz
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def health(self) -> EngineHealth:
+        return self.inner.health()
+
+    async def abort(self, request_id: str) -> None:
+        await self.inner.abort(request_id)
+
+    def synthesize(self, request: SpeechRequest) -> AsyncIterator[AudioChunk]:
+        return self._gen(request)
+
+    async def _gen(self, request: SpeechRequest) -> AsyncIterator[AudioChunk]:
+        import time
+
+        self.requests.append(request)
+        self.samples[request.request_id] = 0
+        it = self.inner.synthesize(request)
+        try:
+            async for chunk in it:
+                self.samples[request.request_id] += len(chunk.pcm) // 2
+                self.last_chunk_s = time.monotonic()
+                yield chunk
+        finally:
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    @property
+    def total_samples(self) -> int:
+        return sum(self.samples.values())
+
+    @property
+    def rates(self) -> set[int]:
+        return {r.sample_rate_hz for r in self.requests}
+
+
+class FakeCodeEngine:
+    """Yields predetermined codes (and hidden states) in pieces; records what was pulled."""
+
+    name = "chattts-fake"
+
+    def __init__(self, utterances: dict[str, np.ndarray], piece: int = 1, hidden: dict[str, np.ndarray] | None = None):
+        self.utterances = utterances
+        self.hidden = hidden or {}
+        self.piece = piece
+        self.pulled: dict[str, int] = {}
+        self.aborted: set[str] = set()
+        self.closed_iters: set[str] = set()
+        self.running = 0
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(self.name, True, self.running)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.add(request_id)
+
+    async def generate(self, request: SpeechRequest) -> AsyncIterator[CodeFrames]:
+        rid = request.request_id
+        codes = self.utterances[rid]
+        hid = self.hidden.get(rid)
+        self.running += 1
+        self.pulled[rid] = 0
+        try:
+            pos = 0
+            while True:
+                if rid in self.aborted:
+                    yield CodeFrames(rid, codes[:0], None, finished=True, finish_reason="abort")
+                    return
+                k = min(self.piece, len(codes) - pos)
+                fin = pos + k >= len(codes)
+                self.pulled[rid] = pos + k
+                yield CodeFrames(
+                    rid,
+                    codes[pos : pos + k],
+                    None if hid is None else hid[pos : pos + k],
+                    finished=fin,
+                    finish_reason="eos" if fin else None,
+                )
+                pos += k
+                if fin:
+                    return
+                await asyncio.sleep(0)
+        finally:
+            self.running -= 1
+            self.closed_iters.add(rid)

@@ -23,6 +23,8 @@ PURE = [
     "gateway.flow",
     "gateway.scheduling",
     "engine.api",
+    "engine.config",
+    "gateway.config",
     "engine.decoder.window",
 ]
 FORBIDDEN = ["torch", "asyncio", "websockets", "socket", "vllm", "transformers"]

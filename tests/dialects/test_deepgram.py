@@ -13,8 +13,7 @@ from deepgram.speak.v1.types import SpeakV1Text
 from websockets.exceptions import ConnectionClosed
 
 from gateway.dialects.voices import DEEPGRAM
-from loadtest.fakes import FakeSpeechEngine
-from tests.dialects.conftest import CountingEngine
+from loadtest.fakes import CountingEngine, FakeSpeechEngine
 from tests.gateway.conftest import GatewayFactory, wait_until
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK's websockets.legacy client

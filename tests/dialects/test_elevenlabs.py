@@ -16,8 +16,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from gateway.dialects.audio import alaw_decode, mp3_available
 from gateway.dialects.voices import ELEVENLABS
-from loadtest.fakes import FakeSpeechEngine
-from tests.dialects.conftest import CountingEngine
+from loadtest.fakes import CountingEngine, FakeSpeechEngine
 from tests.dialects.mp3 import mp3_duration
 from tests.dialects.tls import tls_front
 from tests.gateway.conftest import GatewayFactory, wait_until

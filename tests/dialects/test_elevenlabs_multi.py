@@ -13,8 +13,7 @@ from typing import Any
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
 
-from loadtest.fakes import FakeSpeechEngine
-from tests.dialects.conftest import CountingEngine
+from loadtest.fakes import CountingEngine, FakeSpeechEngine
 from tests.gateway.conftest import GatewayFactory, wait_until
 
 RACHEL = "21m00Tcm4TlvDq8ikWAM"

@@ -14,8 +14,7 @@ from deepgram import AsyncDeepgramClient, DeepgramClientEnvironment
 
 from gateway.dialects.audio import mp3_available
 from gateway.dialects.voices import DEEPGRAM, ELEVENLABS
-from loadtest.fakes import FakeSpeechEngine
-from tests.dialects.conftest import CountingEngine
+from loadtest.fakes import CountingEngine, FakeSpeechEngine
 from tests.dialects.mp3 import mp3_duration
 from tests.gateway.conftest import GatewayFactory, wait_until
 

@@ -19,8 +19,7 @@ from websockets.exceptions import InvalidStatus
 
 from gateway import protocol as P
 from gateway.dialects.audio import mp3_available
-from loadtest.fakes import FakeSpeechEngine
-from tests.dialects.conftest import CountingEngine
+from loadtest.fakes import CountingEngine, FakeSpeechEngine
 from tests.dialects.mp3 import mp3_duration
 from tests.gateway.conftest import GatewayFactory, wait_until
 

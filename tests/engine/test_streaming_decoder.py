@@ -27,6 +27,7 @@ import torch
 from engine.api import AudioChunk, CodeFrames, EngineHealth, SpeechRequest
 from engine.audio_format import float_to_pcm16
 from engine.checkpoint import FULL, make_checkpoint
+from engine.config import EngineConfig
 from engine.decoder import ChunkPolicy, Reach
 from engine.decoder.client import DecoderClient, DecoderSettings
 from engine.decoder.nets import Vocoder, load_vocoder, stage_reaches
@@ -34,7 +35,7 @@ from engine.decoder.window import WindowSpec
 from engine.decoder.windowed import WindowDecoder
 from engine.decoder.worker import FLAG_FINAL, FLAG_RESET, STATUS_BAD_INPUT, STATUS_OK, WorkerCore
 from engine.speech import ChatTTSSpeech, build_decoder
-from voicegw.config import EngineConfig
+from loadtest.fakes import FakeCodeEngine
 
 TOL = 1e-4
 
@@ -419,63 +420,6 @@ async def test_client_worker_death_is_unrecoverable(model_dirs: dict) -> None:
 
 
 # --------------------------------------------------------------------------- ChatTTSSpeech
-
-
-class FakeCodeEngine:
-    """Yields predetermined codes (and hidden states) in pieces; records what was pulled."""
-
-    name = "chattts-fake"
-
-    def __init__(self, utterances: dict[str, np.ndarray], piece: int = 1, hidden: dict[str, np.ndarray] | None = None):
-        self.utterances = utterances
-        self.hidden = hidden or {}
-        self.piece = piece
-        self.pulled: dict[str, int] = {}
-        self.aborted: set[str] = set()
-        self.closed_iters: set[str] = set()
-        self.running = 0
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    def health(self) -> EngineHealth:
-        return EngineHealth(self.name, True, self.running)
-
-    async def abort(self, request_id: str) -> None:
-        self.aborted.add(request_id)
-
-    async def generate(self, request: SpeechRequest) -> AsyncIterator[CodeFrames]:
-        rid = request.request_id
-        codes = self.utterances[rid]
-        hid = self.hidden.get(rid)
-        self.running += 1
-        self.pulled[rid] = 0
-        try:
-            pos = 0
-            while True:
-                if rid in self.aborted:
-                    yield CodeFrames(rid, codes[:0], None, finished=True, finish_reason="abort")
-                    return
-                k = min(self.piece, len(codes) - pos)
-                fin = pos + k >= len(codes)
-                self.pulled[rid] = pos + k
-                yield CodeFrames(
-                    rid,
-                    codes[pos : pos + k],
-                    None if hid is None else hid[pos : pos + k],
-                    finished=fin,
-                    finish_reason="eos" if fin else None,
-                )
-                pos += k
-                if fin:
-                    return
-                await asyncio.sleep(0)
-        finally:
-            self.running -= 1
-            self.closed_iters.add(rid)
 
 
 async def _speech(voc: Vocoder, engine: FakeCodeEngine, **cfg_kw: object) -> ChatTTSSpeech:

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.dialects.conftest import CountingEngine
+from loadtest.fakes import CountingEngine
 from tests.dialects.tls import tls_front
 from tests.gateway.conftest import GatewayFactory, wait_until
 

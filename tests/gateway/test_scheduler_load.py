@@ -3,9 +3,9 @@ and queue-only admission."""
 
 from __future__ import annotations
 
+from gateway.config import SchedulerConfig
 from gateway.dispatch import engine_load
 from gateway.scheduling import AdmissionController, EngineLoad, StepTimeEstimator
-from voicegw.config import SchedulerConfig
 
 
 def test_engine_load_fcfs() -> None:

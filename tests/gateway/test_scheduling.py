@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gateway.config import SchedulerConfig
 from gateway.scheduling import (
     OVERLOADED_CODE,
     REALTIME_STEP_MS,
@@ -15,7 +16,6 @@ from gateway.scheduling import (
     EngineLoad,
     StepTimeEstimator,
 )
-from voicegw.config import SchedulerConfig
 
 CFG = SchedulerConfig(ttfa_target_ms=500.0)
 

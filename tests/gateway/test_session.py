@@ -13,6 +13,7 @@ import pytest
 from engine.api import AudioChunk
 from gateway import protocol as P
 from gateway.audio import mulaw_decode, mulaw_encode
+from gateway.config import LimitsConfig
 from gateway.segmenter import SegmenterConfig
 from gateway.session import (
     AbortStream,
@@ -26,7 +27,6 @@ from gateway.session import (
     SessionSettings,
     StartStream,
 )
-from voicegw.config import LimitsConfig
 
 RATE = 16_000
 MS = RATE // 1000  # samples per ms
