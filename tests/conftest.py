@@ -77,7 +77,7 @@ def parity_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
 
 def session_engine_config() -> Any:
     """The EngineConfig of the session's engines (tiny checkpoint, CPU, small KV cache)."""
-    from voicegw.config import EngineConfig
+    from engine.config import EngineConfig
 
     return EngineConfig(
         backend="vllm",
@@ -94,10 +94,10 @@ def session_engine_config() -> Any:
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def vllm_engine(parity_model_dir: Path) -> AsyncIterator[Any]:
     """THE vLLM code engine of the test session (parity tests and, wrapped, ``speech_engine``)."""
-    from engine.vllm.engine import VllmCodeEngine
+    from engine.build import build_code_engine
 
-    eng = VllmCodeEngine(
-        parity_model_dir, session_engine_config(), kv_cache_bytes=_kv_bytes(parity_model_dir, KV_BLOCKS)
+    eng = build_code_engine(
+        session_engine_config(), parity_model_dir, kv_cache_bytes=_kv_bytes(parity_model_dir, KV_BLOCKS)
     )
     await eng.start()
     yield eng
@@ -109,9 +109,9 @@ async def reference_engine(parity_model_dir: Path) -> AsyncIterator[Any]:
     """Upstream chattts in-process on the same checkpoint (the oracle)."""
     from dataclasses import replace
 
-    from engine.reference import ReferenceCodeEngine
+    from engine.build import build_code_engine
 
-    eng = ReferenceCodeEngine(parity_model_dir, replace(session_engine_config(), backend="reference"))
+    eng = build_code_engine(replace(session_engine_config(), backend="reference"), parity_model_dir)
     await eng.start()
     yield eng
     await eng.close()
