@@ -150,6 +150,10 @@ class EngineConfig(_Checked):
     The decoder still runs in the gateway process on the first GPU. 1: off."""
     max_model_len: int = 2048
     """vLLM max sequence length (prompt + steps)."""
+    admit_interval_ms: float = 0.0
+    """vLLM: under load (32 or more requests in the engine), new requests wait for the next tick of
+    this period on a clock shared by the gateway processes, so that arrivals are prefilled together
+    in fewer mixed steps and the steps between run decode-only batches. 0: submit at once."""
     restart_on_crash: bool = True
     """Restart the code engine (a new vLLM engine core, warm-up included) when it dies, without
     restarting the gateway; /healthz is 503 and requests fail ``engine_unavailable`` meanwhile."""
@@ -503,6 +507,8 @@ def _validate(section: str, name: str, value: Any) -> None:
         raise ConfigError(f"session.min_audio_ms_per_unit: must be in 0..1000 (0 = off), got {value!r}")
     if key == ("gateway", "load_log_interval_s") and value < 0:
         raise ConfigError(f"gateway.load_log_interval_s: must be >= 0 (0 = off), got {value!r}")
+    if key == ("engine", "admit_interval_ms") and not 0 <= value <= 1000:
+        raise ConfigError(f"engine.admit_interval_ms: must be in 0..1000 (0 = off), got {value!r}")
     if key == ("engine", "data_parallel_size") and value < 1:
         raise ConfigError(f"engine.data_parallel_size: must be >= 1, got {value!r}")
 
