@@ -7,7 +7,8 @@
 #      levels SESSIONS, closed loop THROUGHPUT sessions), py-spy of the engine core, the decoder and
 #      gateway process 0 during the level whose log line matches SPY_AT;
 #   4. when ALT_ARGS is set ("SECTION.FIELD=VALUE ..."): a second gateway with those settings on the
-#      same levels (ALT_SESSIONS, default SESSIONS), for a same-call A/B, py-spied the same way.
+#      same levels (ALT_SESSIONS, default SESSIONS), for a same-call A/B, py-spied the same way
+#      (A_MAX_S: seconds the first gateway's run may take, so that the second gets the rest).
 # Budget: BUDGET_S seconds for the whole call (default 570).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,9 +41,10 @@ spy_during() {  # $1: log to watch, $2: tag; py-spy (non-blocking) of core, deco
 
 run_e2e() {  # $1: tag, $2: phases, $3: sessions, $4: closed-loop sessions, rest: extra gpu_e2e args
   local tag=$1 phases=$2 sessions=$3 thr=$4; shift 4
-  local M; M=$(python3 -c "print(round(($(left) - ${RESERVE_S:-20}) / 60, 2))")
+  local cap=$(( $(left) - ${RESERVE_S:-20} )); [ -n "${MAX_S:-}" ] && [ "$MAX_S" -lt "$cap" ] && cap=$MAX_S
+  local M; M=$(python3 -c "print(round($cap / 60, 2))")
   spy_during "$RES/$tag.log" "$tag"
-  timeout $(( $(left) - ${RESERVE_S:-20} + 10 )) python3 -m bench.gpu_e2e --phases "$phases" --fresh --workload conversation \
+  timeout $(( cap + 10 )) python3 -m bench.gpu_e2e --phases "$phases" --fresh --workload conversation \
     --floor-concurrency "${FLOOR_C:-1,400,512}" --floor-steps 256 --floor-max-seconds 25 --sessions "$sessions" \
     --compare-concurrency "" --throughput-sessions "$thr" --warmup-s 4 --max-minutes "$M" --out "$RES/$tag" "$@" \
     > "$RES/$tag.log" 2>&1
@@ -51,10 +53,10 @@ run_e2e() {  # $1: tag, $2: phases, $3: sessions, $4: closed-loop sessions, rest
   cp "$RES/$tag/gpu_e2e.md" "$OUT/gpu_e2e-$tag.md" 2>/dev/null
 }
 
-RESERVE_S=${A_RESERVE_S:-20} run_e2e a "${PHASES_A:-floor,e2e}" "${SESSIONS:-1,64,400/10,600/16}" "${THROUGHPUT:-400}"
+MAX_S=${A_MAX_S:-} run_e2e a "${PHASES_A:-floor,e2e}" "${SESSIONS:-1,64,400/10,600/16}" "${THROUGHPUT:-400}"
 if [ -n "${ALT_ARGS:-}" ] && [ "$(left)" -gt 150 ]; then
   GA=(); for a in $ALT_ARGS; do GA+=(--gateway-arg "$a"); done
-  RESERVE_S=15 run_e2e b e2e "${ALT_SESSIONS:-${SESSIONS:-1,64,400/10,600/16}}" "${THROUGHPUT:-400}" "${GA[@]}"
+  MAX_S= RESERVE_S=15 run_e2e b e2e "${ALT_SESSIONS:-${SESSIONS:-1,64,400/10,600/16}}" "${THROUGHPUT:-400}" "${GA[@]}"
 fi
 kill $DMON 2>/dev/null
 for f in "$RES"/spy-*.txt; do
