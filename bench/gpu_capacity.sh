@@ -8,7 +8,8 @@
 #      gateway process 0 during the level whose log line matches SPY_AT;
 #   4. when ALT_ARGS is set ("SECTION.FIELD=VALUE ..."): a second gateway with those settings on the
 #      same levels (ALT_SESSIONS, default SESSIONS), for a same-call A/B, py-spied the same way
-#      (A_MAX_S: seconds the first gateway's run may take, so that the second gets the rest).
+#      (A_MAX_S: seconds the first gateway's run may take, so that the second gets the rest;
+#      A_EXTRA: more bench.gpu_e2e arguments for the first run).
 # Budget: BUDGET_S seconds for the whole call (default 570).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,10 +54,10 @@ run_e2e() {  # $1: tag, $2: phases, $3: sessions, $4: closed-loop sessions, rest
   cp "$RES/$tag/gpu_e2e.md" "$OUT/gpu_e2e-$tag.md" 2>/dev/null
 }
 
-MAX_S=${A_MAX_S:-} run_e2e a "${PHASES_A:-floor,e2e}" "${SESSIONS:-1,64,400/10,600/16}" "${THROUGHPUT:-400}"
+MAX_S=${A_MAX_S:-} run_e2e a "${PHASES_A:-floor,e2e}" "${SESSIONS:-1,64,400/10,600/16}" "${THROUGHPUT:-400}" ${A_EXTRA:-}
 if [ -n "${ALT_ARGS:-}" ] && [ "$(left)" -gt 150 ]; then
   GA=(); for a in $ALT_ARGS; do GA+=(--gateway-arg "$a"); done
-  MAX_S= RESERVE_S=15 run_e2e b e2e "${ALT_SESSIONS:-${SESSIONS:-1,64,400/10,600/16}}" "${THROUGHPUT:-400}" "${GA[@]}"
+  MAX_S= RESERVE_S=15 run_e2e b e2e "${ALT_SESSIONS:-${SESSIONS:-1,64,400/10,600/16}}" "${THROUGHPUT:-400}" --max-gateway-attempts 1 "${GA[@]}"
 fi
 kill $DMON 2>/dev/null
 for f in "$RES"/spy-*.txt; do

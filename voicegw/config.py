@@ -150,6 +150,14 @@ class EngineConfig(_Checked):
     The decoder still runs in the gateway process on the first GPU. 1: off."""
     max_model_len: int = 2048
     """vLLM max sequence length (prompt + steps)."""
+    cudagraph_mode: str = "auto"
+    """vLLM CUDA graphs (GPU, ``enforce_eager`` false): ``FULL`` replays mixed prefill+decode
+    batches as whole-step graphs too (attention backends that allow it, e.g. FlashAttention 3);
+    ``FULL_AND_PIECEWISE`` full graphs for decode-only batches, piecewise for mixed ones;
+    ``auto``: vLLM's default."""
+    max_cudagraph_capture_size: int = 0
+    """vLLM: the largest step (in tokens) replayed from a CUDA graph; larger steps run eagerly.
+    0: vLLM's default."""
     admit_interval_ms: float = 0.0
     """vLLM: under load (32 or more requests in the engine), new requests wait for the next tick of
     this period on a clock shared by the gateway processes, so that arrivals are prefilled together
@@ -359,10 +367,11 @@ GPU_DEFAULTS: dict[str, Any] = {
     "engine.max_num_seqs": 512,
     "engine.max_num_batched_tokens": 8192,
     "engine.decoder_max_batch": 256,
+    "engine.admit_interval_ms": 50.0,
 }
 """The defaults that differ when ``voicegw serve`` runs ChatTTS on vLLM on a CUDA GPU (the field
 defaults are the CPU ones): compiled with CUDA graphs, hundreds of sequences per batch, the decoder's
-largest bucket 256 rows. The H200 figures of bench/RESULTS.md are measured with these."""
+largest bucket 256 rows, arrivals under load admitted on a 50 ms tick. The H200 figures of bench/RESULTS.md are measured with these."""
 
 
 def on_cuda(cfg: Config) -> Config:
@@ -378,6 +387,7 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("engine", "backend"): ("auto", "vllm", "reference", "espeak", "synthetic"),
     ("engine", "device"): ("auto", "cpu", "cuda"),
     ("engine", "dtype"): ("auto", "float32", "bfloat16", "float16"),
+    ("engine", "cudagraph_mode"): ("auto", "FULL", "FULL_AND_PIECEWISE", "PIECEWISE"),
     ("gateway", "log_level"): ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
 
@@ -507,6 +517,8 @@ def _validate(section: str, name: str, value: Any) -> None:
         raise ConfigError(f"session.min_audio_ms_per_unit: must be in 0..1000 (0 = off), got {value!r}")
     if key == ("gateway", "load_log_interval_s") and value < 0:
         raise ConfigError(f"gateway.load_log_interval_s: must be >= 0 (0 = off), got {value!r}")
+    if key == ("engine", "max_cudagraph_capture_size") and not 0 <= value <= 8192:
+        raise ConfigError(f"engine.max_cudagraph_capture_size: must be in 0..8192 (0 = vLLM's), got {value!r}")
     if key == ("engine", "admit_interval_ms") and not 0 <= value <= 1000:
         raise ConfigError(f"engine.admit_interval_ms: must be in 0..1000 (0 = off), got {value!r}")
     if key == ("engine", "data_parallel_size") and value < 1:
