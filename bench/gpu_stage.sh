@@ -38,7 +38,7 @@ chmod +x .gpudeps/install.sh
 rm -rf .gpuw; mkdir -p .gpuw
 PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64"
 for p in "websockets>=15,<18" uvloop orjson soxr vocos==0.1.0 einops pybase16384 prometheus-client h11 \
-         vector-quantize-pytorch einx frozendict py-spy; do
+         vector-quantize-pytorch torch-einops-utils einx frozendict py-spy; do
   python3 -m pip download -q --no-deps $PLAT -d .gpuw "$p" || python3 -m pip download -q --no-deps --only-binary=:all: -d .gpuw "$p"
 done
 python3 -m pip download -q --no-deps --no-binary=:all: -d .gpuw chattts==0.2.5 encodec

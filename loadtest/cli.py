@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest.plan import MAX_DURATION_S, MAX_SESSIONS, SCENARIOS, ScenarioParams
+from loadtest.plan import MAX_DURATION_S, MAX_SESSIONS, SCENARIOS, WORKLOADS, ScenarioParams
 from loadtest.serve import ENGINES
 
 
@@ -27,6 +27,9 @@ def _scenario_flags(p: argparse.ArgumentParser) -> None:
     d = ScenarioParams()
     g = p.add_argument_group("scenario")
     g.add_argument("--scenario", choices=SCENARIOS, default=d.scenario)
+    g.add_argument("--workload", choices=WORKLOADS, default=d.workload,
+                   help="what the answers are like: short stock sentences, or a real assistant's answers "
+                        "(120-600 varied characters in 2-6-character deltas, 0.5-2 s think time, 100 ms prebuffer)")
     g.add_argument("--sessions", type=int, default=d.sessions,
                    help=f"sessions (burst: sessions starting at once) [max {MAX_SESSIONS}]")
     g.add_argument("--background", type=int, default=d.background, help="burst: sessions already mid-utterance")

@@ -30,7 +30,7 @@ from clients.python.client import NO_RETRY, Client, ClientRecorder, Utterance, V
 from clients.python.playout import ClockedPlayout
 from gateway import protocol as P
 from loadtest.netguard import check_local_url
-from loadtest.plan import MAX_UTTERANCES_PER_SESSION, SessionPlan, UtterancePlan, tokenize
+from loadtest.plan import MAX_UTTERANCES_PER_SESSION, SessionPlan, UtterancePlan, split_deltas, tokenize
 
 #: Client playback report period (browsers report about every 250 ms).
 REPORT_PERIOD_S = 0.25
@@ -134,7 +134,7 @@ class _Session(ClientRecorder):
         self.t0 = t0
         self.hard_end = min(hard_end, t0 + plan.end_s)
         self.rec = SessionRecord(plan.session_id, plan.role, t0)
-        self.jb = ClockedPlayout(plan.sample_rate_hz)
+        self.jb = ClockedPlayout(plan.sample_rate_hz, prebuffer_ms=plan.prebuffer_ms)
         self.instant = plan.instant_playback
         self.rng = random.Random(plan.seed)
         self.client: Client | None = None
@@ -402,7 +402,9 @@ class _Session(ClientRecorder):
             aux.append(asyncio.create_task(self._stall_later(client, plan.stop_reading_after_audio_s)))
         try:
             sent = 0
-            for tok in tokenize(up.text, plan.token_chars, self.rng):
+            pieces = (split_deltas(up.text, *plan.delta_chars, self.rng) if plan.delta_chars
+                      else tokenize(up.text, plan.token_chars, self.rng))
+            for tok in pieces:
                 if utt.t_cancel is not None or self.finished.is_set():
                     break
                 await client.send_text(tok)

@@ -18,6 +18,16 @@ A ``SessionPlan`` is everything one simulated chat session will do; workers exec
   ``duration_s``: the throughput / latency comparison (QPS) against the baseline. Clients
   consume audio as fast as it arrives (``instant_playback``), so QPS measures the engine, not
   real-time playback.
+
+Workloads (``workload``, orthogonal to the scenario) say what each answer is like:
+
+* ``short``: answers of ``utterance_chars`` characters drawn from a dozen stock sentences, word-like
+  deltas of ``token_chars`` on average, exponential think time of mean ``think_s``, the
+  client's default 80 ms prebuffer.
+* ``conversation``: what a real assistant's answers are like. Each answer is 120-600 characters
+  (uniform) of several varied sentences built from templates (``make_answer``), streamed in
+  deltas of 2-6 characters (uniform) at ``tokens_per_s`` with ±50 % jitter; 0.5-2 s of think time
+  (uniform) between answers; clients start playing after 100 ms of audio.
 """
 
 from __future__ import annotations
@@ -26,6 +36,14 @@ import random
 from dataclasses import dataclass, replace
 
 SCENARIOS = ("steady", "burst", "barge-in", "slow-reader", "closed-loop")
+WORKLOADS = ("short", "conversation")
+
+#: The conversation workload's fixed shape (module docstring).
+CONVERSATION_ANSWER_CHARS = (120, 600)
+CONVERSATION_DELTA_CHARS = (2, 6)
+CONVERSATION_THINK_S = (0.5, 2.0)
+CONVERSATION_PREBUFFER_MS = 100.0
+SHORT_PREBUFFER_MS = 80.0
 
 #: Hard caps: a load test is bounded in sessions, time and text whatever the flags say.
 MAX_SESSIONS = 1_024
@@ -47,6 +65,55 @@ _CORPUS = (
     "For a small team, the basic plan is usually enough to get started.",
     "You can always upgrade later without losing anything.",
 )
+
+
+_OPENERS = ("Sure.", "Good question.", "Right, let me explain.", "Okay.", "Thanks for asking.", "Happy to help.",
+            "That makes sense.", "Great, here is what I found.", "Let me think about that for a second.")
+_SUBJECTS = ("the new schedule", "your account", "the kitchen timer", "this recipe", "the train to Boston",
+             "the quarterly report", "my calendar", "the garden hose", "our team", "the old laptop",
+             "the museum", "your flight", "the weekend forecast", "the printer upstairs", "a good night's sleep",
+             "the library", "the second option", "that bakery downtown", "the battery", "the annual budget")
+_VERBS = ("needs", "usually takes", "depends on", "works best with", "comes with", "can skip", "tends to need",
+          "should include", "rarely needs", "will replace")
+_OBJECTS = ("about twenty minutes", "a quick restart", "a little patience", "fresh basil and lemon",
+            "an extra cable", "two short breaks", "the latest update", "a written confirmation",
+            "a warm jacket", "a second opinion", "the blue folder", "a stable connection", "clear instructions",
+            "a spare key", "the morning shift", "some extra salt")
+_TAILS = ("", "", "", " in most cases", " if you ask me", " by Friday", " on weekdays", " this time of year",
+          " according to the manual", " unless it rains", " for now")
+_CLAUSES = ("If that sounds good, {s} {v} {o}{t}.", "In my experience, {s} {v} {o}{t}.",
+            "{S} {v} {o}{t}, and {s2} {v2} {o2}.", "{S} {v} {o}{t}.", "Also, {s} {v} {o}{t}.",
+            "Would you like me to check whether {s} {v} {o}?", "To be honest, {s} {v} {o}{t}.",
+            "First, {s} {v} {o}; then {s2} {v2} {o2}.", "Keep in mind that {s} {v} {o}{t}.",
+            "{S}, on the other hand, {v} {o}{t}.", "One more thing: {s} {v} {o}{t}!")
+
+
+def make_answer(rng: random.Random, chars: int) -> str:
+    """A varied multi-sentence assistant answer of about ``chars`` characters: an opener, then
+    sentences built from templates with random subjects, verbs, objects and tails (so no two
+    answers are the same text), cut at the sentence that reaches the length."""
+    chars = max(1, min(chars, MAX_UTTERANCE_CHARS))
+    out = [rng.choice(_OPENERS)]
+    n = len(out[0])
+    while n < chars:
+        s, s2 = rng.sample(_SUBJECTS, 2)
+        sent = rng.choice(_CLAUSES).format(
+            s=s, S=s[0].upper() + s[1:], v=rng.choice(_VERBS), o=rng.choice(_OBJECTS), t=rng.choice(_TAILS),
+            s2=s2, v2=rng.choice(_VERBS), o2=rng.choice(_OBJECTS))
+        out.append(sent)
+        n += len(sent) + 1
+    return " ".join(out)[:MAX_UTTERANCE_CHARS]
+
+
+def split_deltas(text: str, lo: int, hi: int, rng: random.Random) -> list[str]:
+    """``text`` in consecutive pieces of a uniform ``lo``..``hi`` characters (the last may be shorter)."""
+    pieces: list[str] = []
+    i = 0
+    while i < len(text):
+        k = rng.randint(lo, hi)
+        pieces.append(text[i:i + k])
+        i += k
+    return pieces
 
 
 @dataclass(frozen=True)
@@ -82,6 +149,11 @@ class SessionPlan:
     instant_playback: bool = False
     """Report audio as played the moment it arrives (closed-loop throughput runs: the server's
     flow control then never paces the stream to real time)."""
+    delta_chars: tuple[int, int] | None = None
+    """Send the text in pieces of a uniform number of characters in this range (None: word-like
+    pieces of ``token_chars`` on average, ``tokenize``)."""
+    prebuffer_ms: float = SHORT_PREBUFFER_MS
+    """Audio the simulated player holds before it starts (and after an underrun)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +184,8 @@ class ScenarioParams:
     voice: int | None = None
     instant_playback: bool = True
     """closed-loop: clients consume audio as fast as it arrives (throughput); false: real time."""
+    workload: str = "short"
+    """What the answers are like: ``short`` or ``conversation`` (module docstring)."""
 
 
 def make_text(rng: random.Random, chars: int) -> str:
@@ -159,12 +233,21 @@ def build_plans(p: ScenarioParams) -> list[SessionPlan]:
         raise ValueError(f"duration_s must be in (0, {MAX_DURATION_S}]")
     if p.tokens_per_s <= 0 or p.token_chars <= 0:
         raise ValueError("tokens_per_s and token_chars must be > 0")
+    if p.workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {p.workload!r}; known: {', '.join(WORKLOADS)}")
     rng = random.Random(p.seed)
+    conv = p.workload == "conversation"
     common = dict(tokens_per_s=p.tokens_per_s, token_chars=p.token_chars, sample_rate_hz=p.sample_rate_hz,
-                  voice=p.voice)
+                  voice=p.voice, delta_chars=CONVERSATION_DELTA_CHARS if conv else None,
+                  prebuffer_ms=CONVERSATION_PREBUFFER_MS if conv else SHORT_PREBUFFER_MS)
     plans: list[SessionPlan] = []
 
     def utterances(n: int, chars: int, think: float) -> tuple[UtterancePlan, ...]:
+        if conv:  # lengths and think times of the conversation workload (the first has none)
+            return tuple(
+                UtterancePlan(make_answer(rng, rng.randint(*CONVERSATION_ANSWER_CHARS)),
+                              think_s=rng.uniform(*CONVERSATION_THINK_S) if think > 0 and i else 0.0)
+                for i in range(n))
         return tuple(
             UtterancePlan(make_text(rng, chars), think_s=(rng.expovariate(1 / think) if think > 0 and i else 0.0))
             for i in range(n)
@@ -194,7 +277,7 @@ def build_plans(p: ScenarioParams) -> list[SessionPlan]:
     think = 0.0 if p.scenario == "closed-loop" else p.think_s
     for i in range(p.sessions):
         start = rng.uniform(0.0, p.ramp_s) if p.scenario != "closed-loop" else i * p.ramp_s / max(1, p.sessions)
-        utts = utterances(4, p.utterance_chars, think)
+        utts = utterances(8 if conv else 4, p.utterance_chars, think)
         if p.scenario == "barge-in":
             utts = tuple(
                 replace(u, cancel_after_audio_s=rng.uniform(0.2, 1.5)) if rng.random() < p.cancel_prob else u

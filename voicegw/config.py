@@ -64,10 +64,12 @@ GPU_DEFAULTS: dict[str, Any] = {
     "engine.max_num_seqs": 512,
     "engine.max_num_batched_tokens": 8192,
     "engine.decoder_max_batch": 256,
+    "engine.admit_interval_ms": 50.0,
 }
 """The defaults that differ when ``voicegw serve`` runs ChatTTS on vLLM on a CUDA GPU (the field
 defaults are the CPU ones): compiled with CUDA graphs, hundreds of sequences per batch, the decoder's
-largest bucket 256 rows (the GPU figures of bench/RESULTS.md are measured with these)."""
+largest bucket 256 rows, arrivals under load admitted on a 50 ms tick (the GPU figures of
+bench/RESULTS.md are measured with these)."""
 
 
 def on_cuda(cfg: Config) -> Config:

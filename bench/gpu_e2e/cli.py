@@ -33,7 +33,7 @@ from bench.gpu_e2e.phases import (
     phase_native,
     serve_native_main,
 )
-from bench.gpu_e2e.report import render_markdown
+from bench.gpu_e2e.report import headline, render_markdown
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,14 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--duration", type=float, default=None, help="seconds of load per level [GPU 15, CPU 8]")
     g.add_argument("--settle", type=float, default=None, help="seconds to finish after it [GPU 6, CPU 4]")
     g.add_argument("--ramp", type=float, default=2.0, help="steady: seconds over which sessions connect")
-    g.add_argument("--level1-duration", type=float, default=30.0,
-                   help="steady: seconds of load at 1 session (several answers for its TTFA)")
+    g.add_argument("--level1-duration", type=float, default=None,
+                   help="steady: seconds of load at 1 session (several answers for its TTFA) [30; conversation 40]")
     g.add_argument("--min-audio-ms-per-unit", type=float, default=32.0,
                    help="gateway session.min_audio_ms_per_unit: random-weight checkpoints stop at random; "
                         "this floor (half of typical speech) gives segments of speech-like length. 0: off")
-    g.add_argument("--think", type=float, default=1.0, help="steady: mean pause between turns")
-    g.add_argument("--tokens-per-s", type=float, default=40.0)
-    g.add_argument("--utterance-chars", type=int, default=160)
+    g.add_argument("--workload", default="conversation", choices=["conversation", "short"],
+                   help="conversation (the headline): answers of 120-600 varied characters in 2-6-character "
+                        "deltas at --tokens-per-s with +-50%% jitter, 0.5-2 s think time, 100 ms client prebuffer, "
+                        "levels of --duration [40] s; short: --utterance-chars answers of stock sentences, "
+                        "exponential think time of mean --think, 80 ms prebuffer (loadtest.plan)")
+    g.add_argument("--think", type=float, default=1.0, help="short workload: mean pause between turns")
+    g.add_argument("--tokens-per-s", type=float, default=None, help="[conversation 30, short 40]")
+    g.add_argument("--utterance-chars", type=int, default=160, help="short workload: answer length")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--workers", type=int, default=None, help="load-generator processes [auto]")
     g.add_argument("--warmup-s", type=float, default=None, help="closed-loop warm-up before measuring [GPU 6, CPU 0]")
@@ -133,8 +138,13 @@ def apply_defaults(args: argparse.Namespace) -> None:
     d("floor_concurrency", "1,64,256", "1,4")
     d("floor_steps", 128, 24)
     d("sessions", "1,10,20,64,128,256,512", "1,4")
-    d("duration", 15.0, 8.0)
-    d("settle", 6.0, 4.0)
+    conv = args.workload == "conversation"
+    d("duration", 40.0 if conv else 15.0, 8.0)
+    d("settle", 10.0 if conv else 6.0, 4.0)
+    if args.tokens_per_s is None:
+        args.tokens_per_s = 30.0 if conv else 40.0
+    if args.level1_duration is None:
+        args.level1_duration = 40.0 if conv else 30.0
     d("warmup_s", 6.0, 0.0)
     d("compare_duration", 20.0, 6.0)
     d("throughput_sessions", 512, 0)
@@ -247,6 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         gpu.stop()
         run_info["total_seconds"] = round(time.monotonic() - t_all, 1)
+        if res.data.get("e2e"):
+            res.data["headline"] = headline(res.data)
         res.save()
     md = render_markdown(res.data)
     print("\n" + md)

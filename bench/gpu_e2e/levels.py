@@ -24,6 +24,9 @@ from bench.gpu_e2e.host import (
     tail_text,
 )
 
+#: GPT steps per second of audio (ChatTTS: one step = 512 samples at 24 kHz).
+STEPS_PER_AUDIO_S = 24_000 / 512
+
 
 class Gateway:
     """``python -m voicegw.cli serve`` (or the native-baseline child of this script) on 127.0.0.1,
@@ -210,7 +213,7 @@ def run_level(url: str, scenario: str, sessions: int, args: argparse.Namespace, 
         scenario=scenario, sessions=sessions, duration_s=duration_s, settle_s=settle_s,
         ramp_s=ramp_s if ramp_s is not None else args.ramp if scenario != "closed-loop" else min(args.ramp, 1.0),
         think_s=args.think, tokens_per_s=args.tokens_per_s, utterance_chars=args.utterance_chars,
-        seed=args.seed, instant_playback=True,
+        seed=args.seed, instant_playback=True, workload=args.workload,
         **({"background": args.burst_background, "burst_at_s": args.burst_at,
             "background_chars": args.burst_background_chars} if scenario == "burst" else {}),
     )
@@ -257,6 +260,10 @@ def run_level(url: str, scenario: str, sessions: int, args: argparse.Namespace, 
                                            "underrun_ms_since", "sessions_with_underruns", "utterances", "completed")}
                   for k, v in (result["metrics"].get("roles") or {}).items()},
         **st,
+        "workload": args.workload,
+        # one GPT step is 512 samples at 24 kHz: audio delivered per wall second, in GPT steps
+        "delivered_steps_per_s": (round(st["aggregate_x_realtime"] * STEPS_PER_AUDIO_S)
+                                  if st["aggregate_x_realtime"] else None),
         "gpu": gpu.snapshot(),
         "server_rss_peak_mib": round(gw.rss.peak_bytes / 2**20, 1) if gw is not None and gw.rss else None,
         "gateway_alive": gw.alive() if gw is not None else None,

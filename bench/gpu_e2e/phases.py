@@ -311,7 +311,8 @@ def phase_gateway(args: argparse.Namespace, res: Results, budget: Budget, state_
     info: dict[str, Any] = {"data_parallel_size": dp, "steady": {"duration_s": args.duration, "settle_s": args.settle,
                                                                   "think_s": args.think, "ramp_s": args.ramp,
                                                                   "tokens_per_s": args.tokens_per_s,
-                                                                  "utterance_chars": args.utterance_chars}}
+                                                                  "utterance_chars": args.utterance_chars,
+                                                                  "workload": args.workload}}
     res.data[key] = info
     res.save()
     gw: Gateway | None = None

@@ -76,6 +76,46 @@ def _closed_rows(engine: str, rows: list[dict[str, Any]], only: set[int] | None 
     return out
 
 
+def _floor_aggregate(d: dict[str, Any], concurrency: int) -> float | None:
+    """The engine floor's aggregate steps/s at ``concurrency`` streams (compiled run first)."""
+    runs = sorted((d.get("floor") or {}).get("runs") or [], key=lambda r: not r.get("compiled"))
+    for run in runs:
+        for r in run.get("rows") or []:
+            if r.get("backend") == "vllm" and r.get("concurrency") == concurrency and r.get("aggregate_steps_per_s"):
+                return float(r["aggregate_steps_per_s"])
+    return None
+
+
+def headline(d: dict[str, Any], key: str = "e2e") -> dict[str, Any]:
+    """The capacity figures of one gateway phase under fixed names: the largest steady level (ramp
+    levels included) heard with no underrun, the 400-session level's underruns and TTFA p99 (text
+    wait included), every closed-loop level's delivered GPT steps/s against the engine floor at the
+    same concurrency from the same call, and the floor at 512 streams. ``None`` where not measured."""
+    e = d.get(key) or {}
+    rows = [r for r in e.get("levels") or [] if "failed" not in r]
+    steady = [r for r in rows if r.get("scenario") == "steady"]
+    wl = next((r.get("workload") for r in rows if r.get("workload")), None)
+    out: dict[str, Any] = {"workload": wl}
+    ok = [r["sessions"] for r in steady if r.get("realtime")]
+    out["max_realtime_sessions"] = max(ok) if ok else (0 if steady else None)
+    for r in steady:
+        tag = f"{r['sessions']}" + (f"_ramp{r['ramp_s']:g}" if r.get("ramp_level") else "")
+        out[f"underruns_{tag}"] = r.get("underruns")
+        out[f"ttfa_p99_ms_{tag}"] = (r.get("ttfa_ms") or {}).get("p99")
+        out[f"seg_ttfa_p50_ms_{tag}"] = (r.get("ttfa_segment_ms") or {}).get("p50")
+        out[f"seg_ttfa_p99_ms_{tag}"] = (r.get("ttfa_segment_ms") or {}).get("p99")
+    for r in rows:
+        if r.get("scenario") != "closed-loop":
+            continue
+        n, got = r["sessions"], r.get("delivered_steps_per_s")
+        floor = _floor_aggregate(d, n)
+        out[f"delivered_steps_per_s_closed_{n}"] = got
+        out[f"floor_aggregate_steps_per_s_c{n}"] = floor
+        out[f"delivered_steps_ratio_{n}"] = round(got / floor, 3) if got and floor else None
+    out["engine_aggregate_c512"] = _floor_aggregate(d, 512)
+    return out
+
+
 def render_markdown(d: dict[str, Any]) -> str:
     host = d.get("host") or {}
     gpus = host.get("gpus") or []
@@ -144,9 +184,13 @@ def render_markdown(d: dict[str, Any]) -> str:
             lines += [f"Did not run: {e['error'][:500]}", ""]
         rows = e.get("levels") or []
         if any(r.get("scenario") == "steady" for r in rows):
-            lines += [f"`steady` scenario: each session streams {st.get('utterance_chars')}-character answers "
-                      f"at {st.get('tokens_per_s')} tokens/s and plays the audio in real time, "
-                      f"{st.get('think_s')} s think time, {st.get('duration_s')} s (+{st.get('settle_s')} s to "
+            what = ("conversation workload: answers of 120-600 varied characters in 2-6-character deltas "
+                    f"at {st.get('tokens_per_s')} deltas/s (+-50 % jitter), 0.5-2 s think time, 100 ms prebuffer"
+                    if st.get("workload") == "conversation" else
+                    f"short workload: {st.get('utterance_chars')}-character answers at {st.get('tokens_per_s')} "
+                    f"tokens/s, {st.get('think_s')} s mean think time")
+            lines += [f"`steady` scenario, {what}; each session plays the audio in real time, "
+                      f"{st.get('duration_s')} s (+{st.get('settle_s')} s to "
                       "finish). TTFA: first text sent to first PCM byte at the client; seg-TTFA: from the text "
                       "that completed the first segment. RTF/stream: audio seconds received per wall second of "
                       "each answer (flow control keeps a stream at most 2 s ahead of playback, so >= 1 means it "
@@ -154,6 +198,10 @@ def render_markdown(d: dict[str, Any]) -> str:
             lines += _steady_table(rows)
             lines.append("")
             summ = e.get("summary") or {}
+            hl = headline(d, key)
+            lines.append("Headline (" + ", ".join(f"{k} {_f(v, 3 if isinstance(v, float) and v < 10 else 0)}"
+                                                   for k, v in hl.items() if v is not None) + ").")
+            lines.append("")
             lines.append(f"**Largest session count real time with zero underruns: {summ.get('max_realtime_sessions')}** "
                          f"(tested {summ.get('tested')}; first failing: {_f(summ.get('first_failing_sessions'))}"
                          + ("" if summ.get("monotone", True) else "; not monotone") + ").")

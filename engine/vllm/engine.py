@@ -107,6 +107,8 @@ _ENV_LOCK = threading.Lock()
 """Serializes the environment patch of engine construction (``VllmCodeEngine._construct``)."""
 #: A shared engine core's first reply to a client (``_first_contact``): deadline per attempt, attempts.
 _FIRST_CONTACT_S = 30.0
+#: ``_admission_tick``: requests in the engine core from which new ones wait for the next tick.
+_TICK_MIN_RUNNING = 32
 _FIRST_CONTACT_TRIES = 4
 
 
@@ -196,6 +198,13 @@ class VllmCodeEngine:
             if self._kv_cache_bytes:
                 args["kv_cache_memory_bytes"] = self._kv_cache_bytes
             args["async_scheduling"] = self.cfg.async_scheduling
+            cc: dict[str, Any] = {}
+            if self.cfg.cudagraph_mode != "auto":
+                cc["cudagraph_mode"] = self.cfg.cudagraph_mode.upper()
+            if self.cfg.max_cudagraph_capture_size:
+                cc["max_cudagraph_capture_size"] = self.cfg.max_cudagraph_capture_size
+            if cc and not self.cfg.enforce_eager:
+                args["compilation_config"] = cc
             # The step keeps all state on the device (no host reads): vLLM's default CUDA-graph
             # mode (FULL for decode batches, PIECEWISE for mixed ones) applies.
         if self.cfg.data_parallel_size > 1:
@@ -561,6 +570,18 @@ class VllmCodeEngine:
             raise
         k = 0 if request.prefix_codes is None else len(request.prefix_codes)
         t_submit = time.monotonic()
+        try:
+            await self._admission_tick()
+        except BaseException:
+            self._set_live(rid, None)
+            table.release(slot)
+            raise
+        if live.aborted:  # aborted while it waited for the tick: never reaches vLLM
+            self._set_live(rid, None)
+            table.release(slot)
+            yield CodeFrames(request_id=rid, codes=np.zeros((0, self.info.num_vq), dtype=np.int64),
+                             finished=True, finish_reason="abort")
+            return
         counters = self._counters
         counters["requests"] += 1
         stats: dict[str, Any] = {"prompt_tokens": len(prompt["prompt_token_ids"]), "steps": 0, "slot": slot}
@@ -626,6 +647,17 @@ class VllmCodeEngine:
                 await stream.aclose()  # aborts in vLLM when we stopped early
             finally:
                 table.release(slot)
+
+    async def _admission_tick(self) -> None:
+        """Under load (``_TICK_MIN_RUNNING`` requests or more in the engine core), hold a new
+        request until the next multiple of ``engine.admit_interval_ms`` on the host's monotonic
+        clock, which every front end of a shared engine core reads alike: requests that arrive
+        between two ticks reach vLLM together and are prefilled in one mixed step, and the steps
+        between ticks run decode-only batches. Light load, or an interval of 0: at once."""
+        period_s = self.cfg.admit_interval_ms / 1000.0
+        if period_s <= 0 or self.running_requests() < _TICK_MIN_RUNNING:
+            return
+        await asyncio.sleep(period_s - time.monotonic() % period_s)
 
     async def abort(self, request_id: str) -> None:
         live = self._live.get(request_id)

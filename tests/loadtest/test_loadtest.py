@@ -13,7 +13,15 @@ import pytest
 from clients.python.playout import ClockedPlayout
 from loadtest.metrics import compute, summarize
 from loadtest.netguard import NotLocalError, check_local_url
-from loadtest.plan import MAX_SESSIONS, ScenarioParams, build_plans, split_plans, tokenize
+from loadtest.plan import (
+    CONVERSATION_ANSWER_CHARS,
+    MAX_SESSIONS,
+    ScenarioParams,
+    build_plans,
+    split_deltas,
+    split_plans,
+    tokenize,
+)
 
 RATE = 24_000
 
@@ -86,6 +94,30 @@ def test_burst_plan_roles_and_determinism() -> None:
     assert build_plans(p) == plans
     groups = split_plans(plans, 3)
     assert sorted(q.session_id for g in groups for q in g) == list(range(8))
+
+
+def test_conversation_workload_shape() -> None:
+    """Answers of 120-600 varied characters in several sentences, 0.5-2 s think time (none before
+    the first), 2-6-character deltas, 100 ms prebuffer, arrivals spread over the ramp."""
+    p = ScenarioParams(scenario="steady", sessions=40, workload="conversation", ramp_s=10.0, duration_s=40.0)
+    plans = build_plans(p)
+    assert build_plans(p) == plans
+    texts = [u.text for q in plans for u in q.utterances]
+    lo, hi = CONVERSATION_ANSWER_CHARS
+    assert all(lo <= len(t) <= hi + 200 for t in texts)
+    assert sum(len(t) for t in texts) / len(texts) > 250
+    assert len(set(texts)) == len(texts)  # no two answers alike
+    assert all(t.count(". ") + t.count("? ") + t.count("! ") + t.count("; ") >= 1 for t in texts)
+    thinks = [u.think_s for q in plans for u in q.utterances[1:]]
+    assert all(0.5 <= t <= 2.0 for t in thinks) and all(q.utterances[0].think_s == 0 for q in plans)
+    assert all(q.delta_chars == (2, 6) and q.prebuffer_ms == 100.0 for q in plans)
+    assert max(q.start_s for q in plans) > 5.0 and all(q.start_s <= 10.0 for q in plans)
+    pieces = split_deltas(texts[0], 2, 6, random.Random(1))
+    assert "".join(pieces) == texts[0] and all(2 <= len(x) <= 6 for x in pieces[:-1])
+    short = build_plans(ScenarioParams(scenario="steady", sessions=2))
+    assert all(q.delta_chars is None and q.prebuffer_ms == 80.0 for q in short)
+    with pytest.raises(ValueError):
+        build_plans(ScenarioParams(scenario="steady", workload="nope"))
 
 
 def test_plans_are_capped() -> None:
