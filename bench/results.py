@@ -24,6 +24,7 @@ import math
 import re
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +129,7 @@ def write_run(
     *,
     command: str,
     device: str,
-    figures: dict[str, float | int | None],
+    figures: Mapping[str, float | int | None],
     detail: dict[str, Any] | None = None,
     commit: str | None = None,
     date: str | None = None,
