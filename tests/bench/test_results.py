@@ -32,7 +32,7 @@ def test_gpu_latest_is_generated_from_the_runs() -> None:
     assert br.check(RESULTS) == []
 
 
-def _write(d: Path, date: str, figures: dict[str, float | int | None], slug: str, **kw: str) -> Path:
+def _write(d: Path, date: str, figures: dict[str, float | int | None], slug: str) -> Path:
     return br.write_run(
         d,
         command="python -m bench.x",
@@ -41,7 +41,6 @@ def _write(d: Path, date: str, figures: dict[str, float | int | None], slug: str
         date=date,
         slug=slug,
         commit="abcdef1234567890",
-        **kw,
     )
 
 
