@@ -123,7 +123,7 @@ def ratios(results: list[RunResult], base: str) -> dict[int, dict[str, float]]:
 
 
 def summary(results: list[RunResult], starts: dict[str, float], args: argparse.Namespace) -> dict[str, Any]:
-    """Every figure of the run, for ``--json-out`` (and bench/results/gpu-latest.json)."""
+    """Every figure of the run, for ``--json-out``."""
     return {
         "steps": args.steps, "temperature": args.temperature, "device": args.device,
         "compile": bool(args.compile), "async_scheduling": bool(args.async_scheduling),
