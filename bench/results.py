@@ -81,14 +81,17 @@ def _slug(text: str) -> str:
 
 
 def _git_head() -> str:
-    """The commit checked out in this repository (``git rev-parse HEAD``)."""
-    out = subprocess.run(
-        ["git", "rev-parse", "HEAD"],
-        cwd=Path(__file__).resolve().parent,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    """The commit checked out in this repository (``git rev-parse HEAD``); ValueError without git."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise ValueError(f"no commit given and git rev-parse HEAD failed ({e}): pass commit=") from e
     return out.stdout.strip()
 
 
@@ -154,7 +157,7 @@ def write_run(
     if date is None:
         data["time"] = now.strftime("%H:%M")
     if detail is not None:
-        data["detail"] = detail
+        data["detail"] = _json_safe(detail)
     validate_run(data, "write_run")
     if slug is None:
         module = re.search(r"-m\s+(\S+)", command)
@@ -167,8 +170,19 @@ def write_run(
     while path.exists():
         path = out_dir / f"{stem}-{n}.json"
         n += 1
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    path.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
     return path
+
+
+def _json_safe(obj: Any) -> Any:
+    """``obj`` with NaN and infinities (no sample, a ratio to nothing) as null: strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_json_safe(v) for v in obj]
+    return obj
 
 
 def load_run(path: str | Path) -> dict[str, Any]:

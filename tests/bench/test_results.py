@@ -148,3 +148,30 @@ def test_check_cli_flags_a_stale_latest(tmp_path: Path, capsys: pytest.CaptureFi
     _write(tmp_path / "runs", "2026-12-02", {"decoder_ms_batch1": 2.0}, "two")
     assert br.main(["check", "--dir", str(tmp_path)]) == 1
     assert "differs" in capsys.readouterr().err
+
+
+def test_engine_bench_writes_a_run_file(tmp_path: Path) -> None:
+    import argparse
+
+    from bench import engine_bench as eb
+
+    r = eb.RunResult(
+        "vllm", 64, ttft_s=[0.05, 0.07], stream_steps_per_s=[380.0, 382.0], frames=1000, wall_s=1.0
+    )
+    args = argparse.Namespace(
+        device="cpu",
+        argv=["--concurrency", "1,64"],
+        steps=500,
+        temperature=0.3,
+        compile=False,
+        async_scheduling=False,
+    )
+    path = eb.write_engine_run(
+        str(tmp_path), [r, eb.RunResult("vllm", 1), eb.RunResult("stock", 64)], {}, args
+    )
+    run = br.load_run(path)
+    assert run["command"] == "python3 -m bench.engine_bench --concurrency 1,64"
+    assert run["figures"]["engine_stream_steps_per_s_c64"] == 381.0
+    assert run["figures"]["engine_ttft_p50_ms_c1"] is None  # no sample -> null, not NaN
+    assert "engine_aggregate_c64" in run["figures"] and not any("stock" in k for k in run["figures"])
+    json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in {path.name}"))  # strict JSON
