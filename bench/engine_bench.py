@@ -123,7 +123,7 @@ def ratios(results: list[RunResult], base: str) -> dict[int, dict[str, float]]:
 
 
 def summary(results: list[RunResult], starts: dict[str, float], args: argparse.Namespace) -> dict[str, Any]:
-    """Every figure of the run, for ``--json-out`` (and bench/results/gpu-latest.json)."""
+    """Every figure of the run, for ``--json-out``."""
     return {
         "steps": args.steps, "temperature": args.temperature, "device": args.device,
         "compile": bool(args.compile), "async_scheduling": bool(args.async_scheduling),
@@ -349,7 +349,44 @@ async def run(args: argparse.Namespace, model_dir: Path) -> int:
     print(table(results, starts))
     if args.json_out:
         await asyncio.to_thread(Path(args.json_out).write_text, json.dumps(summary(results, starts, args), indent=1))
+    if args.run_dir:
+        path = write_engine_run(args.run_dir, results, starts, args)
+        print(f"run file: {path}", flush=True)
     return 0
+
+
+def engine_figures(results: list[RunResult]) -> dict[str, float | None]:
+    """The plugin's (backend vllm) figures under bench.results' names: per C streams
+    ``engine_stream_steps_per_s_cC``, ``engine_aggregate_cC``, ``engine_ttft_p50_ms_cC``."""
+    out: dict[str, float | None] = {}
+    for r in results:
+        if r.backend == "vllm":
+            c = r.concurrency
+            out[f"engine_stream_steps_per_s_c{c}"] = round(per_stream(r), 1)
+            out[f"engine_aggregate_c{c}"] = round(r.aggregate, 1)
+            out[f"engine_ttft_p50_ms_c{c}"] = round(pct(r.ttft_s, 50) * 1e3, 1)
+    return {k: (v if v == v else None) for k, v in out.items()}  # NaN (no sample) -> null
+
+
+def write_engine_run(run_dir: str, results: list[RunResult], starts: dict[str, float], args: argparse.Namespace) -> Path:
+    """Write this run as a bench.results run file (figures: ``engine_figures``; detail: ``summary``)."""
+    import shlex
+    from importlib import metadata
+
+    from bench.results import write_run
+
+    device = args.device
+    if args.device != "cpu":
+        import torch
+
+        if torch.cuda.is_available():
+            device = f"1x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    try:
+        device += f", vLLM {metadata.version('vllm')}"
+    except metadata.PackageNotFoundError:
+        pass
+    return write_run(run_dir, command="python3 -m bench.engine_bench " + shlex.join(args.argv), device=device,
+                     figures=engine_figures(results), detail=summary(results, starts, args), slug="engine")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="vLLM async scheduling on GPU: 1 / 0 (default: on for cuda); ignored on CPU")
     ap.add_argument("--max-num-seqs", type=int, default=0, help="vLLM max_num_seqs (default: the largest burst)")
     ap.add_argument("--json-out", default="", help="write every figure here (JSON)")
+    ap.add_argument("--run-dir", default="",
+                    help="also write a bench.results run file here (e.g. bench/results/runs)")
     ap.add_argument("--single-repeats", type=int, default=10,
                     help="the 1-stream burst runs this many times, one after another (pooled figures)")
     ap.add_argument("--cudagraph-mode", default="", help="the plugin's vLLM cudagraph_mode (default: vLLM's)")
@@ -381,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spy-out", default="spy", help="raw output prefix (-BACKEND-cC.txt is appended)")
     ap.add_argument("--spy-seconds", type=float, default=5.0, help="seconds of sampling")
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.async_scheduling is None:
         args.async_scheduling = args.device != "cpu"
     else:

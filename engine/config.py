@@ -71,7 +71,6 @@ class EngineConfig(Checked):
         "backend": ("auto", *BACKENDS),
         "device": ("auto", "cpu", "cuda"),
         "dtype": ("auto", "float32", "bfloat16", "float16"),
-        "cudagraph_mode": ("auto", "FULL", "FULL_AND_PIECEWISE", "PIECEWISE"),
     }
     _positive: ClassVar[frozenset[str]] = frozenset({
         "max_num_seqs", "max_num_batched_tokens", "kv_cache_gib", "max_model_len", "restart_backoff_s",
@@ -117,14 +116,6 @@ class EngineConfig(Checked):
     The decoder still runs in the gateway process on the first GPU. 1: off."""
     max_model_len: int = 2048
     """vLLM max sequence length (prompt + steps)."""
-    cudagraph_mode: str = "auto"
-    """vLLM CUDA graphs (GPU, ``enforce_eager`` false): ``FULL`` replays mixed prefill+decode
-    batches as whole-step graphs too (attention backends that allow it, e.g. FlashAttention 3);
-    ``FULL_AND_PIECEWISE`` full graphs for decode-only batches, piecewise for mixed ones;
-    ``auto``: vLLM's default."""
-    max_cudagraph_capture_size: int = 0
-    """vLLM: the largest step (in tokens) replayed from a CUDA graph; larger steps run eagerly.
-    0: vLLM's default."""
     admit_interval_ms: float = 0.0
     """vLLM: under load (32 or more requests in the engine), new requests wait for the next tick of
     this period on a clock shared by the gateway processes, so that arrivals are prefilled together
@@ -183,8 +174,6 @@ class EngineConfig(Checked):
             self._fail(name, f"must be >= 0, got {value!r}")
         if name == "decoder_device" and not re.fullmatch(r"|cpu|cuda(:\d+)?", value):
             self._fail(name, f"expected '', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
-        if name == "max_cudagraph_capture_size" and not 0 <= value <= 8192:
-            self._fail(name, f"must be in 0..8192 (0 = vLLM's), got {value!r}")
         if name == "admit_interval_ms" and not 0 <= value <= 1000:
             self._fail(name, f"must be in 0..1000 (0 = off), got {value!r}")
         if name == "data_parallel_size" and value < 1:

@@ -76,7 +76,7 @@ class ServerProcess:
         # its own process group (killpg on exit) but the caller's session: a new session would put
         # the server in its own Linux autogroup, and on a 2-core machine with the GPT worker pinned
         # to one core the load generator's group was then starved for seconds at a time (25-40%
-        # of a scheduling-bench run; bench/RESULTS.md, "client stalls")
+        # of a scheduling-bench run; bench/RESULTS-archive.md, "client stalls")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log_file, text=True, env=env,
                                      cwd=root, process_group=0)
         try:

@@ -198,13 +198,6 @@ class VllmCodeEngine:
             if self._kv_cache_bytes:
                 args["kv_cache_memory_bytes"] = self._kv_cache_bytes
             args["async_scheduling"] = self.cfg.async_scheduling
-            cc: dict[str, Any] = {}
-            if self.cfg.cudagraph_mode != "auto":
-                cc["cudagraph_mode"] = self.cfg.cudagraph_mode.upper()
-            if self.cfg.max_cudagraph_capture_size:
-                cc["max_cudagraph_capture_size"] = self.cfg.max_cudagraph_capture_size
-            if cc and not self.cfg.enforce_eager:
-                args["compilation_config"] = cc
             # The step keeps all state on the device (no host reads): vLLM's default CUDA-graph
             # mode (FULL for decode batches, PIECEWISE for mixed ones) applies.
         if self.cfg.data_parallel_size > 1:
