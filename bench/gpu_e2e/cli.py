@@ -33,7 +33,7 @@ from bench.gpu_e2e.phases import (
     phase_native,
     serve_native_main,
 )
-from bench.gpu_e2e.report import headline, render_markdown
+from bench.gpu_e2e.report import headline, latest_figures, render_markdown
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -258,12 +258,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         gpu.stop()
         run_info["total_seconds"] = round(time.monotonic() - t_all, 1)
         if res.data.get("e2e"):
-            res.data["headline"] = headline(res.data)
+            res.data["headline"] = hl = headline(res.data)
+            _write_run_file(args, res.data, run_info, hl)
         res.save()
     md = render_markdown(res.data)
     print("\n" + md)
     print(f"wrote {out / 'gpu_e2e.json'} and {out / 'gpu_e2e.md'}", flush=True)
     return 0
+
+
+def _write_run_file(args: argparse.Namespace, data: dict[str, Any], run_info: dict[str, Any],
+                    hl: dict[str, Any]) -> None:
+    """The run as data (``bench.results`` schema) in the output directory, beside gpu_e2e.json:
+    copy it to bench/results/runs/ to make it count for gpu-latest.json."""
+    from bench.results import write_run
+
+    gpus = (data.get("host") or {}).get("gpus") or []
+    device = gpus[0]["name"] if gpus else f"{os.cpu_count()}-core CPU"
+    try:
+        path = write_run(args.out, command=run_info["command"], device=device, figures=latest_figures(hl),
+                         detail={"headline": hl}, slug=f"gpu-e2e-{args.workload}")
+    except ValueError as exc:  # no git checkout (a copied tree): the run file needs its commit
+        print(f"no run file written: {exc}", flush=True)
+        return
+    print(f"run file: {path}", flush=True)
 
 
 if __name__ == "__main__":

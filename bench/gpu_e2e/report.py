@@ -97,7 +97,9 @@ def headline(d: dict[str, Any], key: str = "e2e") -> dict[str, Any]:
     wl = next((r.get("workload") for r in rows if r.get("workload")), None)
     out: dict[str, Any] = {"workload": wl}
     ok = [r["sessions"] for r in steady if r.get("realtime")]
-    out["max_realtime_sessions"] = max(ok) if ok else (0 if steady else None)
+    # a ladder of steady levels (not only arrival-ramp levels) says how many sessions fit
+    ladder = any(not r.get("ramp_level") for r in steady)
+    out["max_realtime_sessions"] = (max(ok) if ok else 0) if ladder else None
     for r in steady:
         tag = f"{r['sessions']}" + (f"_ramp{r['ramp_s']:g}" if r.get("ramp_level") else "")
         out[f"underruns_{tag}"] = r.get("underruns")
@@ -112,8 +114,24 @@ def headline(d: dict[str, Any], key: str = "e2e") -> dict[str, Any]:
         out[f"delivered_steps_per_s_closed_{n}"] = got
         out[f"floor_aggregate_steps_per_s_c{n}"] = floor
         out[f"delivered_steps_ratio_{n}"] = round(got / floor, 3) if got and floor else None
-    out["engine_aggregate_c512"] = _floor_aggregate(d, 512)
+    out["floor_aggregate_steps_per_s_c512"] = _floor_aggregate(d, 512)
     return out
+
+
+def latest_figures(hl: dict[str, Any]) -> dict[str, float | int | None]:
+    """The numeric figures of a ``headline``, plus the names ``bench.results.LATEST_KEYS`` reads for
+    the conversation workload (the 400-session level: arrivals over 10 s when that level ran)."""
+    figs: dict[str, float | int | None] = {k: v for k, v in hl.items()
+                                           if isinstance(v, int | float) and not isinstance(v, bool)}
+    if hl.get("workload") == "conversation":
+        def at400(stem: str) -> float | int | None:
+            v = hl.get(f"{stem}_400_ramp10")
+            return v if v is not None else hl.get(f"{stem}_400")
+
+        figs["conversation_max_realtime_sessions"] = hl.get("max_realtime_sessions")
+        figs["conversation_underruns_400"] = at400("underruns")
+        figs["conversation_ttfa_p99_ms_400"] = at400("ttfa_p99_ms")
+    return figs
 
 
 def render_markdown(d: dict[str, Any]) -> str:
