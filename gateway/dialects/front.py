@@ -225,8 +225,19 @@ class HttpExchangeProtocol(asyncio.Protocol):
     def eof_received(self) -> bool | None:
         if self._lingering:
             return None  # the client is done: close (our answer is already out)
-        # a client that half-closes after its request still gets the whole response
-        return True if self.task is not None else None
+        if self.task is not None:
+            return True  # a client that half-closes after its request still gets the whole response
+        # the client half-closed before its request was complete: a 400 it can still read (none
+        # when it sent nothing at all), then close
+        try:
+            self.h11.receive_data(b"")
+            self._next_events()
+        except h11.RemoteProtocolError:
+            vendor = self.vendor or self._vendor_from_raw()
+            self._respond_now(_text_error(400, "incomplete request") if vendor is None else
+                              refusals.refusal(vendor, 400, "bad_request", "incomplete request",
+                                               request_id=self.request_id))
+        return None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True

@@ -212,7 +212,7 @@ def dechunk(body: bytes) -> bytes:
 def ws_handshake(path: str, headers: list[tuple[str, str]] | None = None) -> bytes:
     hdrs = [("Host", "127.0.0.1"), ("Upgrade", "websocket"), ("Connection", "Upgrade"),
             ("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ=="), ("Sec-WebSocket-Version", "13"), *(headers or [])]
-    return (f"GET {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hdrs) + "\r\n").encode("latin-1")
+    return (f"GET {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hdrs) + "\r\n").encode()
 
 
 def post(path: str, body: bytes, headers: list[tuple[str, str]] | None = None, *,
