@@ -176,7 +176,7 @@ def _refuse_handshake(server: Host, request: Request, path: str, query: str, dia
     except deepgram.QueryError as exc:
         server.metrics.rejected.labels("params").inc()
         return refusal_response(refusals.refusal(dialect, 400, exc.err_code, exc.err_msg, request_id=rid),
-                                (("dg-error", exc.err_msg),))
+                                (("dg-error", refusals.header_safe(exc.err_msg)),))
     except elevenlabs.HandshakeError as exc:
         server.metrics.rejected.labels("params").inc()
         return refusal_response(refusals.refusal(dialect, exc.http_status, exc.status, exc.message))

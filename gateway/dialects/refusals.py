@@ -27,6 +27,12 @@ DEEPGRAM_CODES: Final[dict[int, str]] = {
 }
 
 
+def header_safe(text: str, limit: int = 256) -> str:
+    """``text`` as an HTTP header value: printable ASCII only (a message may quote the client's
+    input: anything else becomes ``?``), at most ``limit`` characters."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text[:limit])
+
+
 def refusal(vendor: Vendor | None, status: int, code: str, message: str,
             headers: tuple[tuple[str, str], ...] = (), request_id: str = "") -> Refusal:
     """The refusal ``status`` in ``vendor``'s shape (None: OpenAI's, the gateway's default for

@@ -50,7 +50,7 @@ COUNTS: dict[str, int] = {}
 # ---- strategies ------------------------------------------------------------------------------------
 
 NUMBERS = st.one_of(
-    st.sampled_from(["²", "³", "٣", "２４０００", "24000.0", "24000.5", "-1", "+1", "0x10", " 1", "1 ", "1e3", "NaN",
+    st.sampled_from(["²", "³", "٣", "é", "２４０００", "24000.0", "24000.5", "-1", "+1", "0x10", " 1", "1 ", "1e3", "NaN",
                      "inf", "1_000", "", "0", "00000000000000000000000024000", "9" * 40, "16000", "8000", "180",
                      "4294967295", "4294967296", "\x00", "1\x00"]),
     st.integers(-2**70, 2**70).map(str),
@@ -58,7 +58,7 @@ NUMBERS = st.one_of(
 )
 QUERY_KEYS = ["sample_rate", "encoding", "container", "model", "speed", "bit_rate", "seed", "inactivity_timeout",
               "output_format", "language_code", "token", "model_id", "sync_alignment", "auto_mode"]
-ENCODINGS = ["linear16", "mulaw", "alaw", "mp3", "opus", "aac", "flac", "wav", "", "LINEAR16"]
+ENCODINGS = ["linear16", "mulaw", "alaw", "mp3", "opus", "aac", "flac", "wav", "", "LINEAR16", "٣", "ｍｐ３"]
 
 
 @st.composite

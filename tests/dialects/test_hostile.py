@@ -85,6 +85,15 @@ def test_handshake_unicode_digits_are_400(gw: ThreadedGateway, path: str, vendor
     _clean(gw)
 
 
+def test_deepgram_handshake_error_header_is_ascii(gw: ThreadedGateway) -> None:
+    """Found by the fuzz (explore mode): the ``dg-error`` header quoted a non-ASCII encoding and
+    the response could not be built (500)."""
+    a = exchange(gw.port, ws_handshake("/v1/speak?encoding=%D9%A3"))
+    assert a.status == 400 and vendor_shape_ok("deepgram", a.body), a
+    assert a.headers["dg-error"].isascii()
+    _clean(gw)
+
+
 # ---- 3. WebSocket refusals in the dialect's shape -------------------------------------------------
 
 @pytest.mark.parametrize("path,vendor", [(EL_WS, "elevenlabs"), ("/v1/speak", "deepgram")])
