@@ -234,6 +234,12 @@ def parse_int(value: object, name: str, lo: int, hi: int, *, float_zero: bool = 
     return n
 
 
+def header_safe(text: str, limit: int = 256) -> str:
+    """``text`` as an HTTP header value: printable ASCII only, no leading or trailing space (a
+    value may quote the client's input: anything else becomes ``?``), at most ``limit`` characters."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text[:limit]).strip()
+
+
 def session_start(rate_hz: int, speaker: Any = None, language: str | None = None,
                   seed: int | None = None) -> dict[str, Any]:
     """The native ``session.start`` every dialect opens its session with (PCM16 at ``rate_hz``)."""

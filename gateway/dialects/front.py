@@ -532,6 +532,16 @@ class HttpExchange:
         self.finish(abort=not self.done)
 
     async def _emit(self, outs: list[openai.HttpOut]) -> None:
+        try:
+            await self._emit_all(outs)
+        except h11.LocalProtocolError:
+            # a response h11 will not send (a bug: a header value it refuses): cut the connection
+            # rather than leave the client waiting on a session nobody writes for
+            log.exception("response not sendable: aborting the request")
+            self.proto.abort()
+            self._finished(P.CloseCode.INTERNAL_ERROR)
+
+    async def _emit_all(self, outs: list[openai.HttpOut]) -> None:
         p = self.proto
         for o in outs:
             if self.done:

@@ -32,7 +32,7 @@ import orjson
 from gateway import protocol as P
 from gateway.dialects import deepgram, elevenlabs, voices
 from gateway.dialects.audio import Encoder, OutputFormat, av_available, mp3_available, wav_stream_header
-from gateway.dialects.base import Alignment, FieldError, parse_int, session_start
+from gateway.dialects.base import Alignment, FieldError, header_safe, parse_int, session_start
 from gateway.dialects.openai import Abort, Body, End, Head, HttpOut
 
 ELEVENLABS_PATH_RE: Final = re.compile(r"^/v1/text-to-speech/([^/]+)(/stream)?(/with-timestamps)?$")
@@ -207,7 +207,8 @@ def parse_deepgram(query: str, raw: bytes, max_chars: int) -> AudioRequest:
             raise DeepgramError(400, exc.err_code, exc.err_msg, request_id=rid) from None
         fmt = opts.fmt
     _, text = _body_json(raw, DeepgramError, max_chars)
-    headers = (("dg-request-id", rid), ("dg-model-name", opts.model), ("dg-model-uuid", f"voicegw-{opts.model}"),
+    model = header_safe(opts.model)  # the client's spelling (a known model, "default" or a seed)
+    headers = (("dg-request-id", rid), ("dg-model-name", model), ("dg-model-uuid", f"voicegw-{model}"),
                ("dg-char-count", str(len(text))))
     return AudioRequest(text, opts.speaker, fmt, DeepgramError, opts.language, wav=container == "wav",
                         headers=headers, request_id=rid)

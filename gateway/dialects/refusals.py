@@ -15,6 +15,9 @@ from __future__ import annotations
 from typing import Final, Literal
 
 from gateway.dialects import http_audio, openai
+from gateway.dialects.base import header_safe
+
+__all__ = ["DEEPGRAM_CODES", "Refusal", "Vendor", "header_safe", "refusal"]
 
 Vendor = Literal["openai", "elevenlabs", "deepgram"]
 Refusal = openai.ApiError | http_audio.VendorError
@@ -25,12 +28,6 @@ DEEPGRAM_CODES: Final[dict[int, str]] = {
     408: "REQUEST_TIMEOUT", 413: "PAYLOAD_TOO_LARGE", 431: "REQUEST_HEADER_FIELDS_TOO_LARGE",
     500: "INTERNAL_SERVER_ERROR", 503: "SERVICE_UNAVAILABLE",
 }
-
-
-def header_safe(text: str, limit: int = 256) -> str:
-    """``text`` as an HTTP header value: printable ASCII only (a message may quote the client's
-    input: anything else becomes ``?``), at most ``limit`` characters."""
-    return "".join(c if " " <= c <= "~" else "?" for c in text[:limit])
 
 
 def refusal(vendor: Vendor | None, status: int, code: str, message: str,

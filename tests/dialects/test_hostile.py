@@ -94,6 +94,19 @@ def test_deepgram_handshake_error_header_is_ascii(gw: ThreadedGateway) -> None:
     _clean(gw)
 
 
+@pytest.mark.parametrize("model", ["default%09", "%20default", "seed-%E2%84%AA", "%C5%BF2222"])
+def test_deepgram_rest_model_header_is_ascii(gw: ThreadedGateway, model: str) -> None:
+    """``dg-model-name`` echoes the client's model spelling: whitespace or a character that
+    lower-cases to ASCII (``K`` KELVIN SIGN) must not break the response head."""
+    a = exchange(gw.port, post(f"/v1/speak?encoding=linear16&container=none&model={model}", b'{"text":"hi"}'))
+    assert a.status in (200, 400), a
+    if a.status == 200:
+        assert a.headers["dg-model-name"].isascii() and a.headers["dg-model-name"] == a.headers["dg-model-name"].strip()
+    else:
+        assert vendor_shape_ok("deepgram", a.body)
+    _clean(gw)
+
+
 # ---- 3. WebSocket refusals in the dialect's shape -------------------------------------------------
 
 @pytest.mark.parametrize("path,vendor", [(EL_WS, "elevenlabs"), ("/v1/speak", "deepgram")])
