@@ -5,7 +5,7 @@ the dialect whose path it is, nothing is answered 500, nothing logs a traceback 
 task exception goes unretrieved. After each surface: no socket of the server's port is left in
 CLOSE-WAIT, and the gateway's open fds are back to their baseline.
 
-Derandomized by default (a fixed set of examples, the same on every run: ``voicegw-fuzz``
+Derandomized by default (200 fixed examples per surface, the same on every run: ``voicegw-fuzz``
 profile); ``VOICEGW_FUZZ_EXPLORE=1`` explores (random examples, ``VOICEGW_FUZZ_EXAMPLES`` per
 surface, default 500).
 """
@@ -35,7 +35,7 @@ from tests.dialects.hostile import (
 )
 
 EXPLORE = os.environ.get("VOICEGW_FUZZ_EXPLORE") == "1"
-settings.register_profile("voicegw-fuzz", derandomize=True, max_examples=100, deadline=None, database=None,
+settings.register_profile("voicegw-fuzz", derandomize=True, max_examples=200, deadline=None, database=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("voicegw-fuzz-explore", derandomize=False, deadline=None, database=None,
                           max_examples=int(os.environ.get("VOICEGW_FUZZ_EXAMPLES", "500")),
@@ -56,6 +56,8 @@ NUMBERS = st.one_of(
     st.integers(-2**70, 2**70).map(str),
     st.text(max_size=12),
 )
+MODELS = ["pcm_16000", "mp3_44100_128", "default\t", " default", "aura-asteria-en ", "seed-\u212a", "\u017f2222",
+          "aura-2-thalia-en", "2222"]
 QUERY_KEYS = ["sample_rate", "encoding", "container", "model", "speed", "bit_rate", "seed", "inactivity_timeout",
               "output_format", "language_code", "token", "model_id", "sync_alignment", "auto_mode"]
 ENCODINGS = ["linear16", "mulaw", "alaw", "mp3", "opus", "aac", "flac", "wav", "", "LINEAR16", "٣", "ｍｐ３"]
@@ -64,7 +66,7 @@ ENCODINGS = ["linear16", "mulaw", "alaw", "mp3", "opus", "aac", "flac", "wav", "
 @st.composite
 def queries(draw: Any) -> str:
     pairs = draw(st.lists(st.tuples(st.one_of(st.sampled_from(QUERY_KEYS), st.text(max_size=6)),
-                                    st.one_of(NUMBERS, st.sampled_from(ENCODINGS + ["pcm_16000", "mp3_44100_128"]))),
+                                    st.one_of(NUMBERS, st.sampled_from(ENCODINGS + MODELS))),
                           max_size=5))
     q = "&".join(f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in pairs)
     raw = draw(st.sampled_from(["", "", "", "&&==&", "%", "%zz", "a=%C2", "=", ";x=1", "%00=%00"]))
@@ -215,6 +217,24 @@ VALID = orjson.dumps({"text": "Hi.", "input": "Hi.", "model": "tts-1", "voice": 
 
 
 # ---- the surfaces ----------------------------------------------------------------------------------
+
+@FUZZ
+@given(value=st.one_of(NUMBERS, st.text(), st.integers(-2**70, 2**70), st.floats(), st.booleans(), st.none()),
+       lo=st.integers(0, 100), span=st.integers(0, 2**40), float_zero=st.booleans())
+def test_fuzz_parse_int(value: Any, lo: int, span: int, float_zero: bool) -> None:
+    """The one numeric parser: an int in range, or FieldError; ASCII digits only."""
+    from gateway.dialects.base import FieldError, parse_int
+
+    COUNTS["parse_int"] = COUNTS.get("parse_int", 0) + 1
+    try:
+        n = parse_int(value, "x", lo, lo + span, float_zero=float_zero)
+    except FieldError as exc:
+        assert exc.message == f"x must be an integer in {lo}..{lo + span}"
+        return
+    assert lo <= n <= lo + span
+    if isinstance(value, str):
+        assert value.isascii() and value.split(".")[0].isdigit()
+
 
 def test_fuzz_http_query_strings(gw: ThreadedGateway) -> None:
     @FUZZ
