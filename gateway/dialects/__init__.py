@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import email.utils
 import http
+import logging
 import secrets
+import uuid
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -36,13 +38,15 @@ from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
 from gateway import protocol as P
-from gateway.dialects import deepgram, elevenlabs, listings
+from gateway.dialects import deepgram, elevenlabs, listings, refusals
 from gateway.dialects.base import Host, token_matches
 from gateway.dialects.front import front_connection
 from gateway.dialects.socket import DialectSocket
 from gateway.transport import NativeTransport, Transport
 
 __all__ = ["adapt", "front_connection", "get_listing", "process_request", "request_id", "select_subprotocol"]
+
+log = logging.getLogger("voicegw.dialects")
 
 _DEEPGRAM_SUBPROTOCOLS = ("token", "bearer")
 
@@ -79,20 +83,18 @@ def get_listing(server: Host, request: Request, path: str, query: str) -> Respon
     if tokens and not token_matches(_credentials(request.headers, query), tokens):
         server.metrics.rejected.labels("auth").inc()
         who = listings.vendor(request.headers)
-        body: Any = ({"detail": {"status": "invalid_api_key", "message": "Invalid API key"}} if who == "elevenlabs"
-                     else {"err_code": "INVALID_AUTH", "err_msg": "Invalid credentials."} if who == "deepgram"
-                     else {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
-                                     "param": None, "code": "invalid_api_key"}})
-        return _json_response(401, body, [("WWW-Authenticate", 'Bearer realm="voicegw"')])
+        return refusal_response(refusals.unauthorized(who, str(uuid.uuid4()) if who == "deepgram" else ""))
     rid = request_id()
     status, obj = listings.answer(path, request.headers, rid)
     return _json_response(status, obj, [("x-request-id", rid)])
 
 
-def _dialect_of(path: str) -> str | None:
+def _dialect_of(path: str) -> refusals.Vendor | None:
+    """The WebSocket dialect a handshake path belongs to: every ``/v1/text-to-speech/...`` path is
+    ElevenLabs' (a path it does not serve, an over-long voice id: its 404 in its shape)."""
     if path == deepgram.PATH:
         return "deepgram"
-    if elevenlabs.PATH_RE.match(path):
+    if path.startswith(elevenlabs.PATH_PREFIX):
         return "elevenlabs"
     return None
 
@@ -121,42 +123,66 @@ def _credentials(headers: Headers, query: str) -> list[str]:
     return out
 
 
+def refusal_response(err: refusals.Refusal, headers: tuple[tuple[str, str], ...] = ()) -> Response:
+    """A dialect refusal (``refusals.refusal``: the same objects the HTTP side answers with) as a
+    WebSocket handshake response."""
+    extra = list(err.headers) + list(headers)
+    rid = getattr(err, "request_id", "")
+    if rid:
+        extra.append(("x-request-id", rid))
+    return _response(err.status, err.body(), "application/json", extra)
+
+
 def process_request(server: Host, request: Request) -> Response | None:
     """A WebSocket handshake on a path other than ``/ws``: 404 unless a dialect's; else the
-    dialect's refusal (draining 503, origin 403, auth 401, parameters 400/404, capacity 503), or
-    None to accept."""
-    parts = urlsplit(request.path)
+    dialect's refusal in its shape (``refusals``: draining 503, origin 403, auth 401, parameters
+    400/404, capacity 503), or None to accept. No client input reaches a 500: an unexpected
+    exception is logged and answered 500 in the dialect's shape, with no exception text."""
+    try:
+        parts = urlsplit(request.path)
+    except ValueError:
+        return _text_response(400, "bad request target")
     dialect = _dialect_of(parts.path)
     if dialect is None:
         return _text_response(404, "not found")
+    rid = str(uuid.uuid4()) if dialect == "deepgram" else ""
+    try:
+        return _refuse_handshake(server, request, parts.path, parts.query, dialect, rid)
+    except Exception:
+        log.exception("dialect handshake check failed")
+        return refusal_response(refusals.internal_error(dialect, rid))
+
+
+def _refuse_handshake(server: Host, request: Request, path: str, query: str, dialect: refusals.Vendor,
+                      rid: str) -> Response | None:
     if server.draining:
         server.metrics.rejected.labels("shutdown").inc()
-        return _json_response(503, {"error": "server is shutting down"}, [("Retry-After", "5")])
+        return refusal_response(refusals.shutting_down(dialect, rid))
     if not server.origin_ok(request.headers):
         server.metrics.rejected.labels("origin").inc()
-        return _json_response(403, {"error": "origin not allowed"})
+        return refusal_response(refusals.origin_refused(dialect, rid))
     tokens = server.config.gateway.auth_tokens
-    creds = _credentials(request.headers, parts.query)
+    creds = _credentials(request.headers, query)
     if tokens and not token_matches(creds, tokens):
         # ElevenLabs clients may send the key in their first message instead
         if dialect != "elevenlabs" or creds:
             server.metrics.rejected.labels("auth").inc()
-            return _json_response(401, {"error": "missing or invalid API key"},
-                                  [("WWW-Authenticate", 'Bearer realm="voicegw"')])
+            return refusal_response(refusals.unauthorized(dialect, rid))
     try:
         if dialect == "deepgram":
-            deepgram.parse_query(parts.query)
+            deepgram.parse_query(query)
         else:
-            elevenlabs.parse_request(parts.path, parts.query)
+            elevenlabs.parse_request(path, query)
     except deepgram.QueryError as exc:
         server.metrics.rejected.labels("params").inc()
-        return _json_response(400, {"err_code": exc.err_code, "err_msg": exc.err_msg}, [("dg-error", exc.err_msg)])
+        return refusal_response(refusals.refusal(dialect, 400, exc.err_code, exc.err_msg, request_id=rid),
+                                (("dg-error", refusals.header_safe(exc.err_msg)),))
     except elevenlabs.HandshakeError as exc:
         server.metrics.rejected.labels("params").inc()
-        return _json_response(exc.http_status, {"detail": {"status": exc.status, "message": exc.message}})
+        return refusal_response(refusals.refusal(dialect, exc.http_status, exc.status, exc.message))
     if len(server.connections) >= server.config.limits.max_sessions:
         server.metrics.rejected.labels("capacity").inc()
-        return _json_response(503, {"error": "too many sessions"}, [("Retry-After", "1")])
+        return refusal_response(refusals.over_capacity(dialect, rid))
     return None
 
 

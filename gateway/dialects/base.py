@@ -18,6 +18,7 @@ delta refused) at its ``pong``. Completions come out in boundary order.
 from __future__ import annotations
 
 import hmac
+import re
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -193,6 +194,50 @@ class Turns:
             b = self._pending.popleft()
             out.append((b.tag, b.status if b.opened else "empty"))
         return out
+
+
+class FieldError(ValueError):
+    """A numeric field that ``parse_int`` refuses: ``name`` says which; ``message`` is fixed text
+    (never the client's value, never an exception's text)."""
+
+    def __init__(self, name: str, lo: int, hi: int) -> None:
+        self.name = name
+        self.lo = lo
+        self.hi = hi
+        self.message = f"{name} must be an integer in {lo}..{hi}"
+        super().__init__(self.message)
+
+
+_ASCII_UINT = re.compile(r"[0-9]{1,20}(?:\.0+)?")
+_ASCII_UINT_STRICT = re.compile(r"[0-9]{1,20}")
+
+
+def parse_int(value: object, name: str, lo: int, hi: int, *, float_zero: bool = False) -> int:
+    """THE parser of every numeric query, header and body field of the dialects: a string of ASCII
+    digits only (no sign, no spaces, no Unicode digits such as ``"²"`` or ``"٣"``, at most 20 of
+    them; with ``float_zero`` also ``"24000.0"``, as some SDKs send) or, from a JSON body, an
+    integer (not a bool; with ``float_zero`` also an integral float), in ``lo..hi``. Anything else
+    raises ``FieldError`` -- one exception type that each dialect turns into its refusal."""
+    if isinstance(value, str):
+        m = (_ASCII_UINT if float_zero else _ASCII_UINT_STRICT).fullmatch(value)
+        if m is None:
+            raise FieldError(name, lo, hi)
+        n = int(value.split(".", 1)[0])
+    elif isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif float_zero and isinstance(value, float) and value.is_integer():
+        n = int(value)
+    else:
+        raise FieldError(name, lo, hi)
+    if not lo <= n <= hi:
+        raise FieldError(name, lo, hi)
+    return n
+
+
+def header_safe(text: str, limit: int = 256) -> str:
+    """``text`` as an HTTP header value: printable ASCII only, no leading or trailing space (a
+    value may quote the client's input: anything else becomes ``?``), at most ``limit`` characters."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text[:limit]).strip()
 
 
 def session_start(rate_hz: int, speaker: Any = None, language: str | None = None,

@@ -24,7 +24,7 @@ import orjson
 from gateway import protocol as P
 from gateway.dialects import voices
 from gateway.dialects.audio import Encoder, OutputFormat
-from gateway.dialects.base import Step, Turns, session_start
+from gateway.dialects.base import FieldError, Step, Turns, parse_int, session_start
 
 PATH: Final = "/v1/speak"
 #: encoding -> sample rates Deepgram accepts for it (default: linear16 at 24000 Hz).
@@ -58,6 +58,21 @@ class Options:
     language: str | None
 
 
+def parse_rate(raw: str | None, encoding: str, rates: tuple[int, ...], default: int) -> int:
+    """``sample_rate`` (absent or empty: ``default``) through the one numeric parser
+    (``base.parse_int``: ASCII digits, ``"24000.0"`` as the SDKs send); raises QueryError."""
+    if not raw:
+        return default
+    try:
+        rate = parse_int(raw, "sample_rate", min(rates), max(rates), float_zero=True)
+    except FieldError:
+        rate = -1
+    if rate not in rates:
+        raise QueryError("INVALID_QUERY_PARAMETER", f"sample_rate not supported for {encoding}; "
+                         f"use one of {', '.join(map(str, rates))}")
+    return rate
+
+
 def parse_query(query: str) -> Options:
     """The handshake's query string -> options; raises QueryError."""
     try:
@@ -74,16 +89,13 @@ def parse_query(query: str) -> Options:
     if encoding not in RATES_HZ:
         raise QueryError("UNSUPPORTED_ENCODING", f"encoding {encoding!r} not supported; use linear16, mulaw "
                          "or alaw (no containers)")
-    rate_s = q.get("sample_rate") or str(DEFAULT_RATE_HZ[encoding])
-    if not rate_s.isdigit() or int(rate_s) not in RATES_HZ[encoding]:
-        raise QueryError("INVALID_QUERY_PARAMETER", f"sample_rate {rate_s!r} not supported for {encoding}; "
-                         f"use one of {', '.join(map(str, RATES_HZ[encoding]))}")
+    rate = parse_rate(q.get("sample_rate"), encoding, RATES_HZ[encoding], DEFAULT_RATE_HZ[encoding])
     speed = q.get("speed")
     if speed not in (None, "", "1", "1.0"):
         raise QueryError("INVALID_QUERY_PARAMETER", "speed other than 1.0 is not supported by this server")
     parts = model.lower().rsplit("-", 1)
     language = parts[1] if len(parts) == 2 and len(parts[1]) == 2 and parts[1].isalpha() else None
-    return Options(model, speaker, OutputFormat(_ENCODINGS[encoding], int(rate_s)), language)  # type: ignore[arg-type]
+    return Options(model, speaker, OutputFormat(_ENCODINGS[encoding], rate), language)  # type: ignore[arg-type]
 
 
 def _json(obj: dict[str, Any]) -> str:

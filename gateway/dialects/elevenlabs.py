@@ -25,9 +25,13 @@ import orjson
 from gateway import protocol as P
 from gateway.dialects import voices
 from gateway.dialects.audio import Encoder, OutputFormat, av_available, mp3_available
-from gateway.dialects.base import Alignment, Step, Turns, session_start
+from gateway.dialects.base import Alignment, FieldError, Step, Turns, parse_int, session_start
 
-PATH_RE: Final = re.compile(r"^/v1/text-to-speech/([^/]{1,128})/(stream-input|multi-stream-input)$")
+PATH_PREFIX: Final = "/v1/text-to-speech/"
+"""Every path under it is ElevenLabs' (its refusals in its shape)."""
+PATH_RE: Final = re.compile(r"^/v1/text-to-speech/([^/]+)/(stream-input|multi-stream-input)$")
+MAX_VOICE_ID_CHARS: Final = 128
+"""A longer voice id is no voice (404 ``voice_not_found``); messages echo at most this much of it."""
 MAX_CONTEXTS: Final = 5
 """Contexts open at once on one multi-context socket (a context is open until its ``isFinal``)."""
 #: output_format values served (ElevenLabs names).
@@ -63,6 +67,8 @@ IGNORED_PARAMS: Final = frozenset({"model_id", "enable_logging", "enable_ssml_pa
 DEFAULT_INACTIVITY_TIMEOUT_S: Final = 20
 """ElevenLabs' default ``inactivity_timeout``: the socket closes after this long without new text."""
 MAX_INACTIVITY_TIMEOUT_S: Final = 180
+MAX_SEED: Final = 4_294_967_295
+"""ElevenLabs' ``seed`` range is 0..4294967295 (folded into the engine's 31-bit seeds)."""
 """The largest ``inactivity_timeout`` ElevenLabs documents."""
 
 
@@ -90,6 +96,11 @@ class Options:
     native session's ``idle_timeout_s``, so ``limits.idle_timeout_s`` caps it)."""
 
 
+def shown_voice_id(voice_id: str) -> str:
+    """A voice id as error messages echo it: at most ``MAX_VOICE_ID_CHARS`` characters."""
+    return voice_id if len(voice_id) <= MAX_VOICE_ID_CHARS else voice_id[:MAX_VOICE_ID_CHARS] + "..."
+
+
 def parse_request(path: str, query: str) -> Options:
     """Path and query of the handshake -> options; raises HandshakeError."""
     m = PATH_RE.match(path)
@@ -97,9 +108,12 @@ def parse_request(path: str, query: str) -> Options:
         raise HandshakeError(404, "not_found", "not found")
     voice_id = unquote(m.group(1))
     try:
+        if len(voice_id) > MAX_VOICE_ID_CHARS:
+            raise voices.UnknownVoice(voice_id)
         speaker = voices.elevenlabs_voice(voice_id)
     except voices.UnknownVoice:
-        raise HandshakeError(404, "voice_not_found", f"A voice with the voice_id {voice_id} was not found "
+        raise HandshakeError(404, "voice_not_found", f"A voice with the voice_id {shown_voice_id(voice_id)} "
+                             "was not found "
                              "(see docs/dialects/elevenlabs.md for the voices this server has).") from None
     try:
         q = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
@@ -111,21 +125,21 @@ def parse_request(path: str, query: str) -> Options:
     if fmt is None:
         raise HandshakeError(400, "invalid_output_format", f"output_format {fmt_name} is not supported by this "
                              f"server; use one of {', '.join(served)}")
-    seed: int | None = None
-    if q.get("seed"):
-        if not q["seed"].isdigit() or int(q["seed"]) > 4_294_967_295:
-            raise HandshakeError(400, "invalid_seed", "seed must be an integer in 0..4294967295")
-        seed = int(q["seed"]) % 2**31
+    try:
+        seed = parse_int(q["seed"], "seed", 0, MAX_SEED) % 2**31 if q.get("seed") else None
+    except FieldError as exc:
+        raise HandshakeError(400, "invalid_seed", exc.message) from None
     language = q.get("language_code") or None
     if language is not None and (len(language) > 16 or not re.fullmatch(r"[A-Za-z0-9-]+", language)):
         raise HandshakeError(400, "invalid_language_code", "language_code must be a language tag")
     timeout_s = DEFAULT_INACTIVITY_TIMEOUT_S
     if q.get("inactivity_timeout"):
-        raw = q["inactivity_timeout"]
-        if not raw.isdigit() or not 1 <= int(raw) <= MAX_INACTIVITY_TIMEOUT_S:
+        try:
+            timeout_s = parse_int(q["inactivity_timeout"], "inactivity_timeout", 1, MAX_INACTIVITY_TIMEOUT_S)
+        except FieldError:
             raise HandshakeError(400, "invalid_inactivity_timeout",
-                                 f"inactivity_timeout must be an integer in 1..{MAX_INACTIVITY_TIMEOUT_S} (seconds)")
-        timeout_s = int(raw)
+                                 f"inactivity_timeout must be an integer in 1..{MAX_INACTIVITY_TIMEOUT_S} (seconds)") \
+                from None
     return Options(voice_id, speaker, fmt, language, seed, m.group(2) == "multi-stream-input", timeout_s)
 
 

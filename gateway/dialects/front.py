@@ -23,6 +23,7 @@ import contextlib
 import email.utils
 import http
 import logging
+import re
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any, Final
@@ -32,14 +33,22 @@ import h11
 from websockets.asyncio.server import ServerConnection
 
 from gateway import protocol as P
-from gateway.dialects import deepgram, http_audio, openai
-from gateway.dialects.base import Host, token_matches
+from gateway.dialects import deepgram, elevenlabs, http_audio, openai, refusals
+from gateway.dialects.base import FieldError, Host, parse_int, token_matches
 from gateway.dialects.socket import Inbox
 from gateway.transport import ClientItem
 
 log = logging.getLogger("voicegw.dialects.front")
 
 _MAX_HEAD_BYTES: Final = 16 * 1024
+"""The request line and headers, counted on the raw bytes as they arrive (431 over it)."""
+_HEAD_END: Final = re.compile(rb"\r?\n\r?\n")
+_LINGER_S: Final = 2.0
+_LINGER_MAX_BYTES: Final = 8 * 1024 * 1024
+"""Lingering close: after a refusal the gateway shuts its side down and reads (and discards) what
+the client still sends, for at most this long and this many bytes, before closing: a socket
+closed with request bytes unread makes the kernel send RST, and the client may never see the
+refusal (ECONNRESET while it is still sending a body the gateway refused)."""
 _SNIFF_BYTES: Final = 8
 """The longest method we route ("OPTIONS " is 8 bytes)."""
 
@@ -152,7 +161,13 @@ class HttpExchangeProtocol(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
         self.exchange: HttpExchange | None = None
         self.request_id = "req_" + secrets.token_hex(12)
-        self.vendor: str | None = None
+        self.vendor: refusals.Vendor | None = None
+        self._head = b""
+        """The raw head so far (until its end is seen, at most ``_MAX_HEAD_BYTES`` + 4 bytes)."""
+        self._head_done = False
+        self._lingering = False
+        self._linger_left = _LINGER_MAX_BYTES
+        self._linger_timer: asyncio.TimerHandle | None = None
 
     # ---- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -163,17 +178,66 @@ class HttpExchangeProtocol(asyncio.Protocol):
         self._timer = self.loop.call_later(g.open_timeout_s, self._request_timeout)
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            self._discard(len(data))
+            return
         if self.task is not None:
             return  # one request per connection: anything after the body is ignored
+        if not self._head_done and self._head_too_large(data):
+            self._respond_now(refusals.head_too_large(self._vendor_from_raw(), _MAX_HEAD_BYTES,
+                                                      self.request_id))
+            return
         try:
             self.h11.receive_data(data)
             self._next_events()
         except h11.RemoteProtocolError as exc:
-            self._respond_now(_text_error(exc.error_status_hint, "bad request"))
+            status = exc.error_status_hint if 400 <= exc.error_status_hint < 500 else 400
+            vendor = self.vendor or self._vendor_from_raw()
+            if vendor is None:
+                self._respond_now(_text_error(status, "bad request"))
+            else:
+                self._respond_now(refusals.refusal(vendor, status, "bad_request", "malformed HTTP request",
+                                                   request_id=self.request_id))
+
+    def _head_too_large(self, data: bytes) -> bool:
+        """The 16 KiB head limit on the raw bytes (h11's own limit applies only to a head that
+        arrives in pieces): True when the head is over it."""
+        room = _MAX_HEAD_BYTES + 4 - len(self._head)
+        self._head += data[:max(room, 0)]
+        start = len(self._head) - len(self._head.lstrip(b"\r\n"))  # blank lines before the request line
+        m = _HEAD_END.search(self._head, start)
+        if m is None:
+            return len(self._head) > _MAX_HEAD_BYTES
+        self._head_done = True
+        return m.end() > _MAX_HEAD_BYTES
+
+    def _vendor_from_raw(self) -> refusals.Vendor | None:
+        """Whose path the raw request line names (for refusals before h11 has the request)."""
+        line = self._head.lstrip(b"\r\n").split(b"\n", 1)[0]
+        words = line.split(b" ")
+        if len(words) < 2:
+            return None
+        try:
+            return _vendor_of(urlsplit(words[1].decode("ascii", "replace")).path)
+        except ValueError:
+            return None
 
     def eof_received(self) -> bool | None:
-        # a client that half-closes after its request still gets the whole response
-        return True if self.task is not None else None
+        if self._lingering:
+            return None  # the client is done: close (our answer is already out)
+        if self.task is not None:
+            return True  # a client that half-closes after its request still gets the whole response
+        # the client half-closed before its request was complete: a 400 it can still read (none
+        # when it sent nothing at all), then close
+        try:
+            self.h11.receive_data(b"")
+            self._next_events()
+        except h11.RemoteProtocolError:
+            vendor = self.vendor or self._vendor_from_raw()
+            self._respond_now(_text_error(400, "incomplete request") if vendor is None else
+                              refusals.refusal(vendor, 400, "bad_request", "incomplete request",
+                                               request_id=self.request_id))
+        return None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -181,6 +245,8 @@ class HttpExchangeProtocol(asyncio.Protocol):
         self._can_write.set()
         if self._timer is not None:
             self._timer.cancel()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         if self.exchange is not None:
             self.exchange.on_lost()
 
@@ -208,7 +274,7 @@ class HttpExchangeProtocol(asyncio.Protocol):
             elif isinstance(event, h11.Data):
                 self.body += event.data
                 if len(self.body) > self.max_body_bytes:
-                    self._respond_now(_too_large(self.max_body_bytes))
+                    self._respond_now(refusals.too_large(self.vendor, self.max_body_bytes, self.request_id))
                     return
             elif isinstance(event, h11.EndOfMessage):
                 if self._timer is not None:
@@ -225,17 +291,20 @@ class HttpExchangeProtocol(asyncio.Protocol):
         self.vendor = _vendor_of(parts.path)
         if self.vendor is None:
             if parts.path.startswith("/v1/"):
-                return openai.ApiError(404, f"Invalid URL ({method} {parts.path})")
+                return openai.ApiError(404, f"Invalid URL ({method} {parts.path[:256]})")
             return _Plain(405, "method not allowed", (("Allow", "GET"),))
         if method != "POST":
-            return self._error(405, "method_not_allowed", f"Method {method} is not allowed on {parts.path}; use POST.",
+            return self._error(405, "method_not_allowed", f"Method {method[:16]} is not allowed here; use POST.",
                                (("Allow", "POST"),))
         length = _header(req, b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
-            return _too_large(self.max_body_bytes)
+        if length is not None:
+            try:
+                parse_int(length, "Content-Length", 0, self.max_body_bytes)
+            except FieldError:  # h11 has checked it is a number: over the limit
+                return refusals.too_large(self.vendor, self.max_body_bytes, self.request_id)
         if self.server.draining:
             self.server.metrics.rejected.labels("shutdown").inc()
-            return self._error(503, "shutting_down", "server is shutting down", (("Retry-After", "5"),))
+            return refusals.shutting_down(self.vendor, self.request_id)
         tokens = self.server.config.gateway.auth_tokens
         if tokens:
             candidates = parse_qs(parts.query).get("token", [])
@@ -248,19 +317,12 @@ class HttpExchangeProtocol(asyncio.Protocol):
                 candidates.append(xi)
             if not token_matches(candidates, tokens):
                 self.server.metrics.rejected.labels("auth").inc()
-                return self._error(401, "invalid_api_key", "Incorrect API key provided.",
-                                   (("WWW-Authenticate", 'Bearer realm="voicegw"'),))
+                return refusals.unauthorized(self.vendor, self.request_id)
         return None
 
     def _error(self, status: int, code: str, message: str, headers: tuple[tuple[str, str], ...] = ()) -> _Refusal:
-        """A refusal in the shape of the vendor whose path this is."""
-        if self.vendor == "elevenlabs":
-            return http_audio.ElevenLabsError(status, code, message, headers)
-        if self.vendor == "deepgram":
-            dg_code = {401: "INVALID_AUTH", 405: "METHOD_NOT_ALLOWED", 503: "SERVICE_UNAVAILABLE"}.get(status, code)
-            return http_audio.DeepgramError(status, dg_code, message, headers, request_id=self.request_id)
-        type_ = "server_error" if status >= 500 else "invalid_request_error"
-        return openai.ApiError(status, message, type_, None, code, headers)
+        """A refusal in the shape of the vendor whose path this is (``refusals``)."""
+        return refusals.refusal(self.vendor, status, code, message, headers, self.request_id)
 
     def _request_timeout(self) -> None:
         self._timer = None
@@ -287,6 +349,10 @@ class HttpExchangeProtocol(asyncio.Protocol):
             if isinstance(err, http_audio.DeepgramError):
                 err.request_id = self.request_id
             self._respond_now(err)
+            return
+        except Exception:  # a bug, not the client's doing: a 500 without the exception's text
+            log.exception("speech request parsing failed")
+            self._respond_now(refusals.internal_error(self.vendor, self.request_id))
             return
         exchange = self.exchange = HttpExchange(self, responder)
         try:
@@ -326,7 +392,7 @@ class HttpExchangeProtocol(asyncio.Protocol):
             self.transport.abort()
 
     def _respond_now(self, err: _Refusal) -> None:
-        """A complete response outside a session (refusals), then close."""
+        """A complete response outside a session (refusals), then a lingering close."""
         if self._timer is not None:
             self._timer.cancel()
         try:
@@ -334,9 +400,27 @@ class HttpExchangeProtocol(asyncio.Protocol):
             ctype = "text/plain; charset=utf-8" if isinstance(err, _Plain) else "application/json"
             self.send_head(err.status, (("Content-Type", ctype), *err.headers), len(body))
             self.send_body(body)
-            self.end()
+            self._write(self.h11.send(h11.EndOfMessage()))
         except h11.LocalProtocolError:
             self.abort()
+            return
+        self._linger()
+
+    def _linger(self) -> None:
+        """Lingering close (``_LINGER_S``): shut our side down (the client sees the end of the
+        answer), discard what the client still sends, close at its EOF or at the bounds."""
+        t = self.transport
+        if t is None or self.lost or self._lingering:
+            return
+        self._lingering = True
+        if t.can_write_eof():
+            t.write_eof()
+        self._linger_timer = self.loop.call_later(_LINGER_S, t.close)
+
+    def _discard(self, n: int) -> None:
+        self._linger_left -= n
+        if self._linger_left < 0 and self.transport is not None:
+            self.transport.close()
 
 
 class _Plain:
@@ -349,26 +433,24 @@ class _Plain:
         return (self.text + "\n").encode()
 
 
-_Refusal = openai.ApiError | http_audio.VendorError | _Plain
+_Refusal = refusals.Refusal | _Plain
 Responder = openai.SpeechResponder | http_audio.AudioResponder
 
 
-def _vendor_of(path: str) -> str | None:
+def _vendor_of(path: str) -> refusals.Vendor | None:
+    """Whose path this is: every ``/v1/text-to-speech/...`` path is ElevenLabs' (one it does not
+    serve, an over-long voice id: its 404 in its shape)."""
     if path == openai.PATH:
         return "openai"
     if path == deepgram.PATH:
         return "deepgram"
-    if http_audio.ELEVENLABS_PATH_RE.match(path):
+    if path.startswith(elevenlabs.PATH_PREFIX):
         return "elevenlabs"
     return None
 
 
 def _text_error(status: int, text: str) -> _Plain:
     return _Plain(status if 400 <= status < 600 else 400, text)
-
-
-def _too_large(limit: int) -> openai.ApiError:
-    return openai.ApiError(413, f"request body over {limit} bytes", code="request_too_large")
 
 
 def _header(req: h11.Request, name: bytes) -> str | None:
@@ -450,6 +532,16 @@ class HttpExchange:
         self.finish(abort=not self.done)
 
     async def _emit(self, outs: list[openai.HttpOut]) -> None:
+        try:
+            await self._emit_all(outs)
+        except h11.LocalProtocolError:
+            # a response h11 will not send (a bug: a header value it refuses): cut the connection
+            # rather than leave the client waiting on a session nobody writes for
+            log.exception("response not sendable: aborting the request")
+            self.proto.abort()
+            self._finished(P.CloseCode.INTERNAL_ERROR)
+
+    async def _emit_all(self, outs: list[openai.HttpOut]) -> None:
         p = self.proto
         for o in outs:
             if self.done:

@@ -25,17 +25,17 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Final
-from urllib.parse import parse_qs, unquote
+from urllib.parse import parse_qs, unquote, urlencode
 
 import orjson
 
 from gateway import protocol as P
 from gateway.dialects import deepgram, elevenlabs, voices
 from gateway.dialects.audio import Encoder, OutputFormat, av_available, mp3_available, wav_stream_header
-from gateway.dialects.base import Alignment, session_start
+from gateway.dialects.base import Alignment, FieldError, header_safe, parse_int, session_start
 from gateway.dialects.openai import Abort, Body, End, Head, HttpOut
 
-ELEVENLABS_PATH_RE: Final = re.compile(r"^/v1/text-to-speech/([^/]{1,128})(/stream)?(/with-timestamps)?$")
+ELEVENLABS_PATH_RE: Final = re.compile(r"^/v1/text-to-speech/([^/]+)(/stream)?(/with-timestamps)?$")
 DEEPGRAM_MP3_KBPS: Final = 48
 """Deepgram REST's mp3: 22.05 kHz at 48 kbit/s (its documented default bit rate)."""
 _CONTENT_TYPES: Final = {"pcm16": "audio/pcm", "mulaw": "audio/basic", "alaw": "audio/x-alaw-basic",
@@ -64,7 +64,8 @@ class VendorError(Exception):
         self.status = status
         self.code = code
         self.message = message
-        self.headers = headers + ((("Retry-After", "1"),) if status in (429, 503) else ())
+        retry = status in (429, 503) and not any(k.lower() == "retry-after" for k, _ in headers)
+        self.headers = headers + ((("Retry-After", "1"),) if retry else ())
         self.request_id = request_id
 
     def body(self) -> bytes:
@@ -125,13 +126,15 @@ def parse_elevenlabs(path: str, query: str, raw: bytes, max_chars: int) -> Audio
     """``POST /v1/text-to-speech/{voice_id}[/stream]``; raises ElevenLabsError."""
     m = ELEVENLABS_PATH_RE.match(path)
     if m is None:
-        raise ElevenLabsError(404, "not_found", f"{path} not found")
+        raise ElevenLabsError(404, "not_found", "not found")
     voice_id = unquote(m.group(1))
     try:
+        if len(voice_id) > elevenlabs.MAX_VOICE_ID_CHARS:
+            raise voices.UnknownVoice(voice_id)
         speaker = voices.elevenlabs_voice(voice_id)
     except voices.UnknownVoice:
-        raise ElevenLabsError(404, "voice_not_found", f"A voice with the voice_id {voice_id} was not found.") \
-            from None
+        raise ElevenLabsError(404, "voice_not_found", f"A voice with the voice_id "
+                              f"{elevenlabs.shown_voice_id(voice_id)} was not found.") from None
     q = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
     fmt_name = q.get("output_format") or "mp3_44100_128"
     served = elevenlabs.served_formats()
@@ -144,8 +147,11 @@ def parse_elevenlabs(path: str, query: str, raw: bytes, max_chars: int) -> Audio
     if problem:
         raise ElevenLabsError(422, "invalid_voice_settings", problem)
     seed = obj.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 4_294_967_295):
-        raise ElevenLabsError(422, "invalid_seed", "seed must be an integer in 0..4294967295")
+    if seed is not None:
+        try:
+            seed = parse_int(seed, "seed", 0, elevenlabs.MAX_SEED)
+        except FieldError as exc:
+            raise ElevenLabsError(422, "invalid_seed", exc.message) from None
     language = obj.get("language_code")
     if language is not None and (not isinstance(language, str) or not re.fullmatch(r"[A-Za-z0-9-]{1,16}", language)):
         raise ElevenLabsError(422, "invalid_language_code", "language_code must be a language tag")
@@ -157,9 +163,8 @@ def parse_deepgram(query: str, raw: bytes, max_chars: int) -> AudioRequest:
     """``POST /v1/speak``; raises DeepgramError."""
     rid = str(uuid.uuid4())
     q = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
-    for k in ("sample_rate", "bit_rate", "speed"):  # SDKs send floats: "24000.0"
-        if q.get(k, "").endswith(".0") and q[k][:-2].isdigit():
-            q[k] = q[k][:-2]
+    if q.get("speed", "").endswith(".0"):  # SDKs send floats: "1.0" (sample_rate: deepgram.parse_rate)
+        q["speed"] = q["speed"][:-2]
     encoding = q.get("encoding") or "mp3"
     container = q.get("container") or {"linear16": "wav", "opus": "ogg"}.get(encoding, "none")
     if encoding not in DEEPGRAM_AV and (container not in ("none", "wav") or container == "wav"
@@ -171,38 +176,39 @@ def parse_deepgram(query: str, raw: bytes, max_chars: int) -> AudioRequest:
             raise DeepgramError(400, "UNSUPPORTED_ENCODING", f"{encoding} needs the av package on this server; "
                                 "use encoding=linear16, mulaw or alaw", request_id=rid)
         rates, default_rate, kbps = DEEPGRAM_AV[encoding]
-        rate_s = q.get("sample_rate") or str(default_rate)
-        if not rate_s.isdigit() or int(rate_s) not in rates:
-            raise DeepgramError(400, "INVALID_QUERY_PARAMETER", f"sample_rate {rate_s!r} not supported for "
-                                f"{encoding}; use one of {', '.join(map(str, rates))}", request_id=rid)
+        try:
+            rate = deepgram.parse_rate(q.get("sample_rate"), encoding, rates, default_rate)
+        except deepgram.QueryError as exc:
+            raise DeepgramError(400, exc.err_code, exc.err_msg, request_id=rid) from None
         if container not in ("none", "ogg" if encoding == "opus" else "none"):
             raise DeepgramError(400, "UNSUPPORTED_CONTAINER", f"container {container!r} is not supported for "
                                 f"{encoding}", request_id=rid)
-        rest = "&".join(f"{k}={v}" for k, v in q.items() if k not in ("encoding", "sample_rate", "container"))
+        rest = urlencode({k: v for k, v in q.items() if k not in ("encoding", "sample_rate", "container")})
         try:
             opts = deepgram.parse_query(rest)
         except deepgram.QueryError as exc:
             raise DeepgramError(400, exc.err_code, exc.err_msg, request_id=rid) from None
-        fmt = OutputFormat(encoding, int(rate_s), kbps)  # type: ignore[arg-type]
+        fmt = OutputFormat(encoding, rate, kbps)  # type: ignore[arg-type]
     elif encoding == "mp3":
         if not mp3_available():
             raise DeepgramError(400, "UNSUPPORTED_ENCODING", "mp3 needs the lameenc package on this server; "
                                 "use encoding=linear16, mulaw or alaw", request_id=rid)
-        rest = "&".join(f"{k}={v}" for k, v in q.items() if k not in ("encoding", "sample_rate", "container"))
+        rest = urlencode({k: v for k, v in q.items() if k not in ("encoding", "sample_rate", "container")})
         try:
             opts = deepgram.parse_query(rest)
         except deepgram.QueryError as exc:
             raise DeepgramError(400, exc.err_code, exc.err_msg, request_id=rid) from None
         fmt = OutputFormat("mp3", 22_050, DEEPGRAM_MP3_KBPS)
     else:
-        rest = "&".join(f"{k}={v}" for k, v in q.items() if k != "container")
+        rest = urlencode({k: v for k, v in q.items() if k != "container"})
         try:
             opts = deepgram.parse_query(rest)
         except deepgram.QueryError as exc:
             raise DeepgramError(400, exc.err_code, exc.err_msg, request_id=rid) from None
         fmt = opts.fmt
     _, text = _body_json(raw, DeepgramError, max_chars)
-    headers = (("dg-request-id", rid), ("dg-model-name", opts.model), ("dg-model-uuid", f"voicegw-{opts.model}"),
+    model = header_safe(opts.model)  # the client's spelling (a known model, "default" or a seed)
+    headers = (("dg-request-id", rid), ("dg-model-name", model), ("dg-model-uuid", f"voicegw-{model}"),
                ("dg-char-count", str(len(text))))
     return AudioRequest(text, opts.speaker, fmt, DeepgramError, opts.language, wav=container == "wav",
                         headers=headers, request_id=rid)

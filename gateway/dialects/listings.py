@@ -19,7 +19,7 @@ anything else              404 in the caller's vendor's error shape
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from gateway.dialects import voices
 
@@ -27,7 +27,7 @@ OPENAI_MODELS: Final = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 ELEVENLABS_MODELS: Final = ("eleven_multilingual_v2", "eleven_turbo_v2_5", "eleven_flash_v2_5", "eleven_monolingual_v1")
 
 
-def vendor(headers: Any) -> str:
+def vendor(headers: Any) -> Literal["openai", "elevenlabs", "deepgram"]:
     """``openai`` | ``elevenlabs`` | ``deepgram``: whose client this is, from its auth header."""
     if headers.get("xi-api-key") is not None:
         return "elevenlabs"

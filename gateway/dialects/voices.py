@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 from typing import Final
 
+from gateway.dialects.base import FieldError, parse_int
+
 #: OpenAI ``voice`` (``audio.speech``) -> seed.
 OPENAI: Final[dict[str, int]] = {
     "alloy": 2222,
@@ -71,7 +73,7 @@ DEEPGRAM: Final[dict[str, int]] = {
 }
 DEEPGRAM_DEFAULT_MODEL: Final = "aura-asteria-en"
 
-_SEED = re.compile(r"^(?:seed[-_:]?)?(\d{1,10})$", re.IGNORECASE)
+_SEED = re.compile(r"(?:seed[-_:]?)?([0-9]{1,10})", re.IGNORECASE)  # ASCII digits only (fullmatch)
 _MAX_SEED: Final = 2**31 - 1
 
 Speaker = int | None
@@ -86,10 +88,13 @@ def _generic(name: str) -> Speaker:
     key = name.strip()
     if key.lower() == "default":
         return None
-    m = _SEED.match(key)
-    if m is not None and int(m.group(1)) <= _MAX_SEED:
-        return int(m.group(1))
-    raise UnknownVoice(name)
+    m = _SEED.fullmatch(key)
+    if m is None:
+        raise UnknownVoice(name)
+    try:
+        return parse_int(m.group(1), "seed", 0, _MAX_SEED)
+    except FieldError:
+        raise UnknownVoice(name) from None
 
 
 def openai_voice(name: str) -> Speaker:
