@@ -1,0 +1,332 @@
+"""The client's decisions, sans I/O: what to do after an overload refusal, a dropped connection or
+a failed reconnect, where to resume an utterance, how playout is accounted.
+
+Nothing here reads a clock, opens a socket, sleeps or imports asyncio / websockets / torch (also
+at import time: tests/test_import_purity.py). Events go in as method calls with the time passed
+in (``now_s``, seconds on any monotonic clock); decisions come out as plain action objects that
+the I/O shell (``clients.python.client.Client``) carries out: send, schedule at ``at_s``,
+reconnect, surface an error. The model is python-websockets' sans-I/O protocol and, on the server
+side, ``gateway.session``.
+
+The browser client makes the same decisions in ``clients/web/client-core.js``; both are run
+against one table of scenarios (``clients/scenarios.json``: ``tests/test_client_core.py`` feeds
+this module, ``tests/browser/test_client_scenarios.py`` the JS one).
+
+Events and actions:
+
+* ``overload_decision(policy, error_msg, ...)`` — an ``error`` about an utterance arrived:
+  ``Retry(attempt, wait_ms, at_s)`` (send it again then) or ``Fail(code, reason)`` (surface it:
+  ``final`` refusal, ``audio_received``, ``attempts_exhausted``, ``cancelled``).
+* ``Reconnector.lost(close_code, now_s)`` — the connection dropped: ``Reconnect(attempt, wait_ms,
+  at_s)``, or ``Fail("closed", "not_resumable")``; ``.failed(Failure, now_s)`` — an attempt
+  failed: the next ``Reconnect`` or ``GiveUp`` (deadline passed, or a final refusal: 4xx
+  handshake, a close code that says do not retry); ``.connected(now_s)`` — ``Reconnected``.
+* ``plan_resume(segments, ...)`` — where an unfinished utterance is sent again from
+  (``ResumePoint``: its first segment not wholly received, that segment's first char and sample,
+  and the playout position past which buffered audio is dropped).
+* ``Playout`` — the jitter-buffer rules (push / end / pull / cancel / truncate), shared with the
+  browser's AudioWorklet (``clients/web/playout-rules.js``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from clients.python.playout import Playout, PlayoutReport
+
+__all__ = [
+    "FINAL_CLOSES",
+    "FINAL_HTTP",
+    "NO_RETRY",
+    "RESUMABLE_CLOSES",
+    "RETRYABLE_ERRORS",
+    "Fail",
+    "Failure",
+    "GiveUp",
+    "Playout",
+    "PlayoutReport",
+    "Reconnect",
+    "Reconnected",
+    "Reconnector",
+    "ResumePoint",
+    "Retry",
+    "RetryPolicy",
+    "SegmentView",
+    "overload_decision",
+    "plan_resume",
+]
+
+RESUMABLE_CLOSES = frozenset({1006, 1011, 1012, 1013})
+"""Close codes after which a session is worth resuming (docs/protocol.md, close codes)."""
+FINAL_CLOSES = frozenset({1002, 1007, 1008, 1009})
+"""Close codes that say: do not retry (a client bug, or a policy the server enforces)."""
+FINAL_HTTP = frozenset({400, 401, 403, 404, 405})
+"""Handshake refusals that no retry can fix."""
+RETRYABLE_ERRORS = frozenset({"engine_overloaded"})
+"""Utterance errors worth sending the utterance again for; any other is a final refusal."""
+
+Rand = Callable[[], float]
+"""A source of uniform [0, 1) numbers (``random.Random().random``; a scenario's fixed list)."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a ``Client`` rides out overload and dropped connections (docs/clients.md)."""
+
+    overload_attempts: int = 3
+    """Attempts in all for an utterance refused with ``engine_overloaded`` before any of its
+    audio arrived (1: never retry)."""
+    overload_max_wait_ms: float = 5000.0
+    """Cap on one wait before an overload retry (the server's ``retry_after_ms``, jittered)."""
+    reconnect: bool = True
+    """Reconnect and resume after a dropped connection (1006, 1011, 1012, 1013)."""
+    reconnect_initial_ms: float = 250.0
+    """First backoff wait; it doubles per failed attempt."""
+    reconnect_max_ms: float = 5000.0
+    """Cap on one backoff wait (a server's ``Retry-After`` may ask for more: it wins)."""
+    reconnect_timeout_s: float = 60.0
+    """Give up (unfinished utterances fail with ``closed``) when not reconnected this long after
+    the drop."""
+    jitter: float = 0.2
+    """Each wait is multiplied by a random factor in [1 - jitter, 1 + jitter]."""
+    max_buffered_chars: int = 20_000
+    """Text kept per utterance while it cannot be sent (outage, overload wait); over it the
+    utterance fails with ``buffer_full``."""
+
+    def __post_init__(self) -> None:
+        if self.overload_attempts < 1:
+            raise ValueError("overload_attempts must be >= 1")
+        if not 0.0 <= self.jitter < 1.0:
+            raise ValueError("jitter must be in [0, 1)")
+        if min(self.overload_max_wait_ms, self.reconnect_initial_ms, self.reconnect_max_ms) < 0:
+            raise ValueError("waits must be >= 0")
+        if self.reconnect_timeout_s <= 0 or self.max_buffered_chars < 1:
+            raise ValueError("reconnect_timeout_s and max_buffered_chars must be positive")
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RetryPolicy:
+        """From a scenario's ``policy`` (this class's field names)."""
+        return cls(**dict(d))
+
+    def jittered_ms(self, ms: float, rnd: random.Random | Rand) -> float:
+        r = rnd.random() if isinstance(rnd, random.Random) else rnd()
+        return max(0.0, ms * (1.0 + self.jitter * (2.0 * r - 1.0)))
+
+    def backoff_ms(self, attempt: int, rnd: random.Random | Rand) -> float:
+        """Wait before reconnect attempt ``attempt`` (1-based)."""
+        base = min(self.reconnect_max_ms, self.reconnect_initial_ms * 2.0 ** max(0, attempt - 1))
+        return self.jittered_ms(base, rnd)
+
+
+NO_RETRY = RetryPolicy(overload_attempts=1, reconnect=False)
+"""A client that neither retries nor reconnects."""
+
+
+# ------------------------------------------------------------------ actions
+
+
+class _Action:
+    def to_json(self) -> dict[str, Any]:
+        """The action as the scenario table writes it (``action`` + fields; times in ms)."""
+        out: dict[str, Any] = {"action": _ACTION_NAMES[type(self)]}
+        for k, v in asdict(self).items():  # type: ignore[call-overload]
+            if k == "at_s":
+                out["at_ms"] = round(v * 1000.0, 3)
+            else:
+                out[k] = round(v, 3) if isinstance(v, float) else v
+        return out
+
+
+@dataclass(frozen=True)
+class Retry(_Action):
+    """Send the refused utterance again (attempt ``attempt``) at ``at_s``."""
+
+    attempt: int
+    wait_ms: float
+    at_s: float
+
+
+@dataclass(frozen=True)
+class Fail(_Action):
+    """Surface the error: no retry (``reason``: final | audio_received | attempts_exhausted |
+    cancelled | not_resumable)."""
+
+    code: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Reconnect(_Action):
+    """Open a new connection (attempt ``attempt``) at ``at_s``."""
+
+    attempt: int
+    wait_ms: float
+    at_s: float
+
+
+@dataclass(frozen=True)
+class GiveUp(_Action):
+    """Stop reconnecting: unfinished utterances fail with ``closed``."""
+
+    attempts: int
+    reason: str
+    """deadline | final"""
+
+
+@dataclass(frozen=True)
+class Reconnected(_Action):
+    attempts: int
+    outage_ms: float
+
+
+_ACTION_NAMES: dict[type, str] = {Retry: "retry", Fail: "fail", Reconnect: "reconnect", GiveUp: "give_up",
+                                  Reconnected: "reconnected"}
+
+
+# ------------------------------------------------------------------ overload
+
+
+def overload_decision(policy: RetryPolicy, msg: Mapping[str, Any], *, attempts: int, received_samples: int,
+                      now_s: float, rnd: random.Random | Rand, cancelled: bool = False) -> Retry | Fail:
+    """An ``error`` about an utterance (``msg``) arrived: send it again, or let it fail.
+
+    Retried only for a retryable code (``engine_overloaded``; any other is a final refusal),
+    before any of its audio arrived (heard audio is never replayed), while attempts are left. The
+    wait is the server's ``retry_after_ms`` (else ``reconnect_initial_ms``), jittered, capped at
+    ``overload_max_wait_ms``."""
+    code = str(msg.get("code"))
+    if code not in RETRYABLE_ERRORS or msg.get("fatal"):
+        return Fail(code, "final")
+    if cancelled:
+        return Fail(code, "cancelled")
+    if received_samples > 0:
+        return Fail(code, "audio_received")
+    if attempts >= policy.overload_attempts:
+        return Fail(code, "attempts_exhausted")
+    hinted = msg.get("retry_after_ms")
+    base = float(hinted) if isinstance(hinted, (int, float)) and not isinstance(hinted, bool) \
+        else policy.reconnect_initial_ms
+    wait_ms = min(policy.overload_max_wait_ms, policy.jittered_ms(base, rnd))
+    return Retry(attempts + 1, wait_ms, now_s + wait_ms / 1000.0)
+
+
+# ------------------------------------------------------------------ reconnect
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a connection attempt failed, as far as the shell could see (a browser sees no HTTP
+    status: only the close code of a socket that opened)."""
+
+    status: int | None = None
+    """The handshake's HTTP status."""
+    close_code: int | None = None
+    """The close code of a socket that closed before ``session.started``."""
+    retry_after_ms: float | None = None
+    """The server asked to wait at least this long (``Retry-After``)."""
+    error: str = ""
+
+    @property
+    def final(self) -> bool:
+        return self.status in FINAL_HTTP or self.close_code in FINAL_CLOSES
+
+
+class Reconnector:
+    """The reconnect loop's decisions for one outage (exponential backoff with jitter, within
+    ``reconnect_timeout_s`` of the drop; a final refusal stops it; a server's ``Retry-After`` is
+    waited first)."""
+
+    def __init__(self, policy: RetryPolicy, rnd: random.Random | Rand) -> None:
+        self.policy = policy
+        self.rnd = rnd
+        self.attempt = 0
+        self.t_drop_s: float | None = None
+        self.deadline_s = 0.0
+        self.last_error = ""
+
+    def resumable(self, close_code: int | None, *, session_started: bool = True, closing: bool = False) -> bool:
+        """Whether a drop with this close code (None: no close frame) is ridden out."""
+        return (self.policy.reconnect and session_started and not closing
+                and (close_code is None or close_code in RESUMABLE_CLOSES))
+
+    def lost(self, close_code: int | None, now_s: float, *, session_started: bool = True,
+             closing: bool = False) -> Reconnect | GiveUp | Fail:
+        """The connection dropped: the first reconnect attempt, or fail (not resumable)."""
+        if not self.resumable(close_code, session_started=session_started, closing=closing):
+            return Fail("closed", "not_resumable")
+        self.attempt = 0
+        self.t_drop_s = now_s
+        self.deadline_s = now_s + self.policy.reconnect_timeout_s
+        self.last_error = ""
+        return self._next(now_s, now_s)
+
+    def failed(self, failure: Failure, now_s: float) -> Reconnect | GiveUp:
+        """The attempt failed: the next one, or give up."""
+        self.last_error = failure.error
+        if failure.final:
+            return GiveUp(self.attempt, "final")
+        t = now_s
+        if failure.retry_after_ms is not None:  # the server asked for at least this long
+            t = now_s + max(0.0, min(failure.retry_after_ms / 1000.0, self.deadline_s - now_s))
+        return self._next(t, t)
+
+    def connected(self, now_s: float) -> Reconnected:
+        t_drop = self.t_drop_s if self.t_drop_s is not None else now_s
+        return Reconnected(self.attempt, round((now_s - t_drop) * 1000.0))
+
+    def _next(self, now_s: float, base_s: float) -> Reconnect | GiveUp:
+        self.attempt += 1
+        wait_ms = self.policy.backoff_ms(self.attempt, self.rnd)
+        if now_s + wait_ms / 1000.0 > self.deadline_s:
+            return GiveUp(self.attempt, "deadline")
+        return Reconnect(self.attempt, wait_ms, base_s + wait_ms / 1000.0)
+
+
+# ------------------------------------------------------------------ resume planning
+
+
+@dataclass
+class SegmentView:
+    """What the client knows of one segment of an utterance (utterance coordinates)."""
+
+    start_char: int
+    end_char: int
+    sample_offset: int
+    samples: int = 0
+    """Samples received of it in the current take."""
+    done: bool = False
+    """``segment.done`` arrived: received whole."""
+    pos: int | None = None
+    """Playout position of its first sample (realtime/speakers), if any audio was buffered."""
+
+
+@dataclass(frozen=True)
+class ResumePoint(_Action):
+    """Send the utterance again from segment ``segment`` (its char ``char``, sample ``sample``);
+    drop buffered audio past playout position ``keep`` (None: keep all)."""
+
+    segment: int
+    char: int
+    sample: int
+    keep: int | None
+
+
+_ACTION_NAMES[ResumePoint] = "resume"
+
+
+def plan_resume(segs: Mapping[int, SegmentView], *, seg_base: int, base_char: int, sample_base: int) -> ResumePoint:
+    """The first segment not wholly received, from the current sending's first (``seg_base``);
+    with none seen, the sending's start; past the last whole one, its end."""
+    k = seg_base
+    while k in segs and segs[k].done:
+        k += 1
+    seg = segs.get(k)
+    if seg is not None:
+        return ResumePoint(k, seg.start_char, seg.sample_offset, seg.pos)
+    prev = segs.get(k - 1)
+    if prev is not None:
+        return ResumePoint(k, prev.end_char, prev.sample_offset + prev.samples, None)
+    return ResumePoint(k, base_char, sample_base, None)
