@@ -67,6 +67,9 @@ import orjson
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from clients.python import core
+from clients.python.core import NO_RETRY as NO_RETRY
+from clients.python.core import RetryPolicy
 from clients.python.playout import Playout
 from gateway import protocol as P
 
@@ -138,58 +141,9 @@ _CANCEL_REPLY_TIMEOUT_S = 5.0
 _MAX_PIECE_CHARS = 4000
 """Longest ``text.delta`` a resend uses (well under ``limits.max_message_bytes``)."""
 _EVENTS_KEPT = 256
-_RESUMABLE_CLOSES = frozenset({1006, 1011, 1012, 1013})
-"""Close codes after which a session is worth resuming (docs/protocol.md, close codes)."""
-_FINAL_HTTP = frozenset({400, 401, 403, 404, 405})
-"""Handshake refusals that no retry can fix."""
 _MULAW = P.AudioFormat.MULAW
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How a ``Client`` rides out overload and dropped connections (docs/clients.md)."""
-
-    overload_attempts: int = 3
-    """Attempts in all for an utterance refused with ``engine_overloaded`` before any of its
-    audio arrived (1: never retry)."""
-    overload_max_wait_ms: float = 5000.0
-    """Cap on one wait before an overload retry (the server's ``retry_after_ms``, jittered)."""
-    reconnect: bool = True
-    """Reconnect and resume after a dropped connection (1006, 1011, 1012, 1013)."""
-    reconnect_initial_ms: float = 250.0
-    """First backoff wait; it doubles per failed attempt."""
-    reconnect_max_ms: float = 5000.0
-    """Cap on one backoff wait (a server's ``Retry-After`` may ask for more: it wins)."""
-    reconnect_timeout_s: float = 60.0
-    """Give up (unfinished utterances fail with ``closed``) when not reconnected this long after
-    the drop."""
-    jitter: float = 0.2
-    """Each wait is multiplied by a random factor in [1 - jitter, 1 + jitter]."""
-    max_buffered_chars: int = 20_000
-    """Text kept per utterance while it cannot be sent (outage, overload wait); over it the
-    utterance fails with ``buffer_full``."""
-
-    def __post_init__(self) -> None:
-        if self.overload_attempts < 1:
-            raise ValueError("overload_attempts must be >= 1")
-        if not 0.0 <= self.jitter < 1.0:
-            raise ValueError("jitter must be in [0, 1)")
-        if min(self.overload_max_wait_ms, self.reconnect_initial_ms, self.reconnect_max_ms) < 0:
-            raise ValueError("waits must be >= 0")
-        if self.reconnect_timeout_s <= 0 or self.max_buffered_chars < 1:
-            raise ValueError("reconnect_timeout_s and max_buffered_chars must be positive")
-
-    def jittered_ms(self, ms: float, rnd: random.Random) -> float:
-        return max(0.0, ms * (1.0 + self.jitter * (2.0 * rnd.random() - 1.0)))
-
-    def backoff_ms(self, attempt: int, rnd: random.Random) -> float:
-        """Wait before reconnect attempt ``attempt`` (1-based)."""
-        base = min(self.reconnect_max_ms, self.reconnect_initial_ms * 2.0 ** max(0, attempt - 1))
-        return self.jittered_ms(base, rnd)
-
-
-NO_RETRY = RetryPolicy(overload_attempts=1, reconnect=False)
-"""A client that neither retries nor reconnects."""
 
 
 @dataclass(frozen=True)
@@ -332,6 +286,11 @@ class _Seg:
     done: bool = False
     pos: int | None = None
     """Playout position of its first sample (realtime/speakers)."""
+
+    @property
+    def samples(self) -> int:
+        """Samples received of it in the current take (``core.SegmentLike``)."""
+        return self.play.samples
 
 
 _END = object()
@@ -569,13 +528,12 @@ class Client:
                 self.session = await self._open_session()
                 break
             except VoicegwError as exc:
-                if exc.detail.get("status") != 503 and exc.detail.get("code") != 1013:
+                act = core.connect_decision(self.retry, self._failure(exc), attempt=attempt, now_s=time.monotonic(),
+                                            deadline_s=deadline, rnd=self._rnd)
+                if not isinstance(act, core.Reconnect):
                     raise
-                wait_ms = self._wait_after(exc, attempt)
-                if not self.retry.reconnect or time.monotonic() + wait_ms / 1000.0 > deadline:
-                    raise
-                self._emit("reconnecting", attempt=attempt, wait_ms=round(wait_ms), error=str(exc))
-                await asyncio.sleep(wait_ms / 1000.0)
+                self._emit("reconnecting", attempt=attempt, wait_ms=round(act.wait_ms), error=str(exc))
+                await asyncio.sleep(act.wait_ms / 1000.0)
         self._start_playback()
         return self.session
 
@@ -680,12 +638,14 @@ class Client:
             except Exception:  # noqa: BLE001 - an application callback must not break the client
                 log.exception("on_event callback failed")
 
-    def _wait_after(self, exc: VoicegwError, attempt: int) -> float:
-        wait = self.retry.backoff_ms(attempt, self._rnd)
+    @staticmethod
+    def _failure(exc: VoicegwError) -> core.Failure:
+        """What the core is told of a failed connection attempt."""
+        code = exc.detail.get("code")
         hinted = exc.detail.get("retry_after_ms")
-        if isinstance(hinted, (int, float)):
-            wait = max(wait, self.retry.jittered_ms(float(hinted), self._rnd))
-        return wait
+        return core.Failure(status=exc.detail.get("status"), close_code=code if isinstance(code, int) else None,
+                            retry_after_ms=float(hinted) if isinstance(hinted, (int, float)) else None,
+                            error=str(exc))
 
     # ------------------------------------------------------------------ text in
 
@@ -971,9 +931,9 @@ class Client:
             if not fut.done():
                 fut.set_exception(err)
         self._pong_waiters.clear()
-        resumable = (not self.closed and self.retry.reconnect and self.session is not None
-                     and (code is None or code in _RESUMABLE_CLOSES))
-        if not resumable:
+        reconnector = core.Reconnector(self.retry, self._rnd)
+        first = reconnector.lost(code, time.monotonic(), session_started=self.session is not None, closing=self.closed)
+        if isinstance(first, core.Fail):
             self.closed = True
             while self._cancel_replies:
                 fut = self._cancel_replies.popleft()
@@ -989,7 +949,7 @@ class Client:
             if not fut.done():
                 fut.set_result({"type": P.ServerType.CANCELLED.value, "local": True, "cancelled_utterances": []})
         self._plan_resume()
-        task = asyncio.create_task(self._reconnect(time.monotonic()), name="voicegw-client-reconnect")
+        task = asyncio.create_task(self._reconnect(reconnector, first), name="voicegw-client-reconnect")
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
@@ -1002,18 +962,10 @@ class Client:
                 continue
             u.parked = True
             u.retrying = False
-            k = u.seg_base
-            while k in u.segs and u.segs[k].done:
-                k += 1
-            seg = u.segs.get(k)
-            if seg is not None:
-                char, sample = seg.start_char, seg.sample_offset
-                if seg.pos is not None and keep is None:
-                    keep = seg.pos
-            elif k - 1 in u.segs:
-                char, sample = u.segs[k - 1].end_char, u.segs[k - 1].sample_offset + u.segs[k - 1].play.samples
-            else:
-                char, sample = u.base_char, u.sample_base
+            plan = core.plan_resume(u.segs, seg_base=u.seg_base, base_char=u.base_char, sample_base=u.sample_base)
+            k, char, sample = plan.segment, plan.char, plan.sample
+            if keep is None:
+                keep = plan.keep
             for j in [j for j in u.segs if j >= k]:
                 del u.segs[j]
             u._drop_queued(from_segment=k)
@@ -1043,42 +995,32 @@ class Client:
                     if span[1] == 0:
                         self._spans.pop()
 
-    async def _reconnect(self, t_drop: float) -> None:
-        deadline = t_drop + self.retry.reconnect_timeout_s
-        attempt = 0
-        last = ""
-        while not self.closed:
-            attempt += 1
-            wait_ms = self.retry.backoff_ms(attempt, self._rnd) if attempt > 1 else \
-                self.retry.jittered_ms(self.retry.reconnect_initial_ms, self._rnd)
-            if time.monotonic() + wait_ms / 1000.0 > deadline:
-                break
-            self._emit("reconnecting", attempt=attempt, wait_ms=round(wait_ms))
-            await asyncio.sleep(wait_ms / 1000.0)
+    async def _reconnect(self, rec: core.Reconnector, act: core.Reconnect | core.GiveUp) -> None:
+        """Carry out the core's reconnect decisions (``core.Reconnector``): wait, open, repeat."""
+        while not self.closed and isinstance(act, core.Reconnect):
+            self._emit("reconnecting", attempt=act.attempt, wait_ms=round(act.wait_ms))
+            await asyncio.sleep(max(0.0, act.at_s - time.monotonic()))
             try:
                 session = await self._open_session()
             except VoicegwError as exc:
-                last = str(exc)
-                if exc.detail.get("status") in _FINAL_HTTP:
-                    break
-                hinted = exc.detail.get("retry_after_ms")
-                if isinstance(hinted, (int, float)):  # the server asked for at least this long
-                    await asyncio.sleep(max(0.0, min(hinted / 1000.0, deadline - time.monotonic())))
+                act = rec.failed(self._failure(exc), time.monotonic())
                 continue
             self.session = session
             self.reconnects += 1
             t_up = time.monotonic()
+            up = rec.connected(t_up)
             o: dict[str, Any] = self._outage if self._outage is not None else {
                 "to_audio_ms": None, "gap_ms": None, "t_dry": None}
-            o.update(outage_ms=round((t_up - t_drop) * 1000.0), attempts=attempt, t_up=t_up)
+            o.update(outage_ms=up.outage_ms, attempts=up.attempts, t_up=t_up)
             self._outage = o
-            self._emit("reconnected", attempts=attempt, outage_ms=o["outage_ms"])
+            self._emit("reconnected", attempts=up.attempts, outage_ms=o["outage_ms"])
             await self._replay()
             return
         if self.closed:
             return
         self.closed = True
-        self._emit("gave_up", attempts=attempt, error=last)
+        last = rec.last_error
+        self._emit("gave_up", attempts=rec.attempt, error=last)
         self._fail_all(VoicegwError("closed", f"could not reconnect within {self.retry.reconnect_timeout_s:g} s"
                                     + (f" ({last})" if last else "")), keep_received=True)
 
@@ -1289,8 +1231,7 @@ class Client:
                 u = self._record(int(msg["utterance_id"]))
                 if u is not None:
                     u.stats.error = code
-                    if code == P.ErrorCode.ENGINE_OVERLOADED:
-                        self._maybe_retry(u, msg)
+                    self._maybe_retry(u, msg)
             elif msg.get("id") is not None:
                 u2 = next((x for x in self._utterances if x.local_id == msg["id"] and x.id is None), None)
                 if u2 is not None and u2.stats.samples == 0:
@@ -1328,16 +1269,18 @@ class Client:
     # ------------------------------------------------------------------ internals: overload retry
 
     def _maybe_retry(self, u: Utterance, msg: dict[str, Any]) -> None:
-        """``engine_overloaded`` before any audio: park the text, end the refused sending (the
-        server absorbs its text until ``text.end``) and send it again after the hinted wait."""
-        if u.stats.samples > 0 or u.stats.attempts >= self.retry.overload_attempts or u.cancelling or self.closed:
+        """An error about ``u`` (``core.overload_decision``): a final refusal, or audio already
+        received, fails it (its ``utterance.done`` reports it); ``engine_overloaded`` before any
+        audio parks the text, ends the refused sending (the server absorbs its text until
+        ``text.end``) and sends it again after the hinted wait."""
+        act = core.overload_decision(self.retry, msg, attempts=u.stats.attempts, received_samples=u.stats.samples,
+                                     now_s=time.monotonic(), rnd=self._rnd, cancelled=u.cancelling or self.closed)
+        if not isinstance(act, core.Retry):
             return
-        hinted = msg.get("retry_after_ms")
-        base = float(hinted) if isinstance(hinted, (int, float)) else self.retry.reconnect_initial_ms
-        wait_ms = min(self.retry.overload_max_wait_ms, self.retry.jittered_ms(base, self._rnd))
+        wait_ms = act.wait_ms
         u.parked = True
         u.retrying = True
-        self._emit("retry", utterance=u.local_id, attempt=u.stats.attempts + 1, wait_ms=round(wait_ms))
+        self._emit("retry", utterance=u.local_id, attempt=act.attempt, wait_ms=round(wait_ms))
         task = asyncio.create_task(self._retry_later(u, wait_ms), name=f"voicegw-retry {u.local_id}")
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)

@@ -21,6 +21,8 @@ Events and actions:
   at_s)``, or ``Fail("closed", "not_resumable")``; ``.failed(Failure, now_s)`` — an attempt
   failed: the next ``Reconnect`` or ``GiveUp`` (deadline passed, or a final refusal: 4xx
   handshake, a close code that says do not retry); ``.connected(now_s)`` — ``Reconnected``.
+* ``connect_decision(policy, Failure, ...)`` — the first connection failed: try again (a
+  capacity refusal, 503 / 1013) or give up.
 * ``plan_resume(segments, ...)`` — where an unfinished utterance is sent again from
   (``ResumePoint``: its first segment not wholly received, that segment's first char and sample,
   and the playout position past which buffered audio is dropped).
@@ -33,7 +35,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from clients.python.playout import Playout, PlayoutReport
 
@@ -54,7 +56,9 @@ __all__ = [
     "ResumePoint",
     "Retry",
     "RetryPolicy",
+    "SegmentLike",
     "SegmentView",
+    "connect_decision",
     "overload_decision",
     "plan_resume",
 ]
@@ -234,6 +238,25 @@ class Failure:
         return self.status in FINAL_HTTP or self.close_code in FINAL_CLOSES
 
 
+CAPACITY_STATUS = 503
+CAPACITY_CLOSE = 1013
+
+
+def connect_decision(policy: RetryPolicy, failure: Failure, *, attempt: int, now_s: float, deadline_s: float,
+                     rnd: random.Random | Rand) -> Reconnect | GiveUp:
+    """The first connection (``Client.connect``) failed on attempt ``attempt``: only a server
+    refusing for capacity (503 at the door, 1013 before ``session.started``) is tried again, after
+    the backoff or its ``Retry-After`` (jittered), whichever is longer, while before the deadline."""
+    if failure.status != CAPACITY_STATUS and failure.close_code != CAPACITY_CLOSE:
+        return GiveUp(attempt, "final")
+    wait_ms = policy.backoff_ms(attempt, rnd)
+    if failure.retry_after_ms is not None:
+        wait_ms = max(wait_ms, policy.jittered_ms(failure.retry_after_ms, rnd))
+    if not policy.reconnect or now_s + wait_ms / 1000.0 > deadline_s:
+        return GiveUp(attempt, "deadline")
+    return Reconnect(attempt + 1, wait_ms, now_s + wait_ms / 1000.0)
+
+
 class Reconnector:
     """The reconnect loop's decisions for one outage (exponential backoff with jitter, within
     ``reconnect_timeout_s`` of the drop; a final refusal stops it; a server's ``Retry-After`` is
@@ -288,6 +311,23 @@ class Reconnector:
 # ------------------------------------------------------------------ resume planning
 
 
+class SegmentLike(Protocol):
+    """What resume planning reads of a segment (``SegmentView``, the client's own records)."""
+
+    @property
+    def start_char(self) -> int: ...
+    @property
+    def end_char(self) -> int: ...
+    @property
+    def sample_offset(self) -> int: ...
+    @property
+    def samples(self) -> int: ...
+    @property
+    def done(self) -> bool: ...
+    @property
+    def pos(self) -> int | None: ...
+
+
 @dataclass
 class SegmentView:
     """What the client knows of one segment of an utterance (utterance coordinates)."""
@@ -317,7 +357,7 @@ class ResumePoint(_Action):
 _ACTION_NAMES[ResumePoint] = "resume"
 
 
-def plan_resume(segs: Mapping[int, SegmentView], *, seg_base: int, base_char: int, sample_base: int) -> ResumePoint:
+def plan_resume(segs: Mapping[int, SegmentLike], *, seg_base: int, base_char: int, sample_base: int) -> ResumePoint:
     """The first segment not wholly received, from the current sending's first (``seg_base``);
     with none seen, the sending's start; past the last whole one, its end."""
     k = seg_base
