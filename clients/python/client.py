@@ -69,7 +69,9 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from clients.python import core
 from clients.python.core import NO_RETRY as NO_RETRY
-from clients.python.core import RetryPolicy
+from clients.python.core import RetryPolicy, Segment
+from clients.python.core import SegmentPlay as SegmentPlay
+from clients.python.core import UtteranceStats as UtteranceStats
 from clients.python.playout import Playout
 from gateway import protocol as P
 
@@ -138,8 +140,6 @@ TextSource = str | Iterable[str] | AsyncIterable[str]
 
 _TICK_S = 0.01
 _CANCEL_REPLY_TIMEOUT_S = 5.0
-_MAX_PIECE_CHARS = 4000
-"""Longest ``text.delta`` a resend uses (well under ``limits.max_message_bytes``)."""
 _EVENTS_KEPT = 256
 _MULAW = P.AudioFormat.MULAW
 
@@ -209,123 +209,18 @@ class AudioChunk:
         return len(self.pcm) // 2
 
 
-@dataclass
-class UtteranceStats:
-    utterance_id: int | None = None
-    status: str = "pending"
-    """ok | error | cancelled | empty | pending"""
-    error: str | None = None
-    ttfa_ms: float | None = None
-    """First text sent -> first audio frame received."""
-    play_start_ms: float | None = None
-    """First text sent -> playback started (realtime/speakers modes)."""
-    samples: int = 0
-    """Samples received."""
-    server_samples: int | None = None
-    """Samples the server says it sent (``utterance.done``)."""
-    sample_rate_hz: int = 24_000
-    underruns: int = 0
-    cancelled: bool = False
-    heard_text: str | None = None
-    segments: list[str] = field(default_factory=list)
-    wall_ms: float | None = None
-    """First text sent -> all audio received."""
-    chunks_dropped: int = 0
-    attempts: int = 1
-    """Times the utterance was sent (overload retries add one each)."""
-    resumes: int = 0
-    """Times it was sent again after a reconnect."""
-    gap_ms: float = 0.0
-    """Silence the listener heard inside it because of reconnects."""
-    plays: list[SegmentPlay] = field(default_factory=list)
-    """Per segment and take (one per sending): samples received and played (realtime/speakers:
-    played out; instant: taken from ``speak()``; none: received)."""
-
-    def heard_whole(self) -> list[int]:
-        """Segment indexes in the order their audio was played through, each take once."""
-        return [p.segment for p in self.plays if p.complete and p.played >= p.samples]
-
-    @property
-    def duration_ms(self) -> float:
-        return self.samples * 1000.0 / self.sample_rate_hz
-
-    def __str__(self) -> str:
-        ttfa = f"{self.ttfa_ms:.0f} ms" if self.ttfa_ms is not None else "-"
-        wall = f", received in {self.wall_ms:.0f} ms" if self.wall_ms is not None else ""
-        extra = f", error {self.error}" if self.error else ""
-        extra += ", cancelled" if self.cancelled else ""
-        return (
-            f"{self.status}: {self.duration_ms / 1000:.2f} s of audio ({self.samples} samples at "
-            f"{self.sample_rate_hz} Hz), TTFA {ttfa}{wall}, {len(self.segments)} segments, "
-            f"{self.underruns} underruns{extra}"
-        )
-
-
-@dataclass
-class SegmentPlay:
-    """One take of one segment: its audio as one sending delivered it."""
-
-    segment: int
-    take: int
-    text: str = ""
-    samples: int = 0
-    """Samples received in this take."""
-    played: int = 0
-    complete: bool = False
-    """The server said the segment's audio is all sent (``segment.done``) in this take."""
-
-
-@dataclass
-class _Seg:
-    """A segment of an utterance in utterance coordinates (chars and samples from its start)."""
-
-    start_char: int
-    end_char: int
-    sample_offset: int
-    play: SegmentPlay
-    done: bool = False
-    pos: int | None = None
-    """Playout position of its first sample (realtime/speakers)."""
-
-    @property
-    def samples(self) -> int:
-        """Samples received of it in the current take (``core.SegmentLike``)."""
-        return self.play.samples
-
-
 _END = object()
 
 
-class Utterance:
-    """One spoken utterance: async-iterate it for audio chunks; ``stats`` when done."""
+class Utterance(core.UtteranceState):
+    """One spoken utterance: async-iterate it for audio chunks; ``stats`` when done. Its
+    protocol state and transitions are ``core.UtteranceState``'s; this adds the audio queue,
+    the waits and the times."""
 
     def __init__(self, client: Client, local_id: str) -> None:
+        super().__init__(local_id, client.sample_rate_hz)
         self._client = client
-        self.local_id = local_id
-        self.id: int | None = None
-        """The server's id of the current sending."""
-        self.stats = UtteranceStats(sample_rate_hz=client.sample_rate_hz)
-        self.text = ""
-        """All text the application gave it."""
-        self.base_char = 0
-        """Where in ``text`` the current sending starts (a resume starts past heard segments)."""
-        self.sent = 0
-        """Chars of ``text`` sent in the current sending (absolute)."""
-        self.end_requested = False
-        self.end_sent = False
-        self.parked = False
-        """Its text is kept, not sent (outage, overload wait) until it is sent again."""
-        self.sent_any = False
-        self.resume_note = False
-        self.retrying = False
-        """Refused for overload: the old sending's ``utterance.done`` is not the end."""
-        self.seg_base = 0
-        """Segment index / sample offset of the current sending's first segment."""
-        self.sample_base = 0
-        self.take = 0
-        self.segs: dict[int, _Seg] = {}
         self.pump_lock = asyncio.Lock()
-        self.cancelling = False
         self.t_first_text: float | None = None
         self.t_first_audio: float | None = None
         self.end_pos: int | None = None
@@ -340,10 +235,6 @@ class Utterance:
         """Playback finished (or there is no playback to wait for)."""
         self.failure: VoicegwError | None = None
         self.sender: asyncio.Task[None] | None = None
-
-    @property
-    def chars(self) -> int:
-        return len(self.text)
 
     # -- producer side (client internals)
 
@@ -808,20 +699,12 @@ class Client:
         async with u.pump_lock:
             try:
                 while not u.parked and self._link_up and not u.cancelling:
-                    if u.sent < u.chars:
-                        piece = u.text[u.sent:u.sent + _MAX_PIECE_CHARS]
-                        msg: dict[str, Any] = {"type": P.ClientType.TEXT_DELTA.value, "text": piece}
-                        if u.sent == u.base_char:
-                            msg["id"] = u.local_id
-                        u.sent += len(piece)
-                        u.sent_any = True
-                        await self._pace(len(piece))
-                        await self._send(msg)
-                    elif u.end_requested and not u.end_sent:
-                        u.end_sent = True
-                        await self._send({"type": P.ClientType.TEXT_END.value})
-                    else:
+                    msg = u.next_message()
+                    if msg is None:
                         return
+                    if "text" in msg:
+                        await self._pace(len(msg["text"]))
+                    await self._send(msg)
             except VoicegwError:
                 if not self._reconnecting():
                     raise
@@ -960,27 +843,12 @@ class Client:
         for u in self._utterances:
             if u.done.is_set() and not u.retrying:
                 continue
-            u.parked = True
-            u.retrying = False
-            plan = core.plan_resume(u.segs, seg_base=u.seg_base, base_char=u.base_char, sample_base=u.sample_base)
-            k, char, sample = plan.segment, plan.char, plan.sample
-            if keep is None:
-                keep = plan.keep
-            for j in [j for j in u.segs if j >= k]:
-                del u.segs[j]
-            u._drop_queued(from_segment=k)
             if u.id is not None:
                 self._by_id.pop(u.id, None)
-            u.id = None
-            u.base_char = u.sent = char
-            u.end_sent = False
-            u.seg_base, u.sample_base = k, sample
-            u.stats.samples = sample
-            u.stats.error = None
-            u.take += 1
-            if u.sent_any:
-                u.stats.resumes += 1
-                u.resume_note = True
+            plan = u.resume()
+            u._drop_queued(from_segment=plan.segment)
+            if keep is None:
+                keep = plan.keep
         if keep is not None and self.playback_mode in ("realtime", "speakers"):
             with self._lock:
                 dropped = self.playout.truncate(keep)
@@ -1089,7 +957,7 @@ class Client:
 
             payload = mulaw_decode(payload).astype("<i2").tobytes()
         self.received_samples += n
-        seg: _Seg | None = None
+        seg: Segment | None = None
         if u is not None:
             segment = header.segment + u.seg_base
             if u.t_first_audio is None:
@@ -1097,11 +965,7 @@ class Client:
                 u.underruns_at_start = self.playout.underruns
                 if u.t_first_text is not None:
                     u.stats.ttfa_ms = (u.t_first_audio - u.t_first_text) * 1000.0
-            seg = u.segs.get(segment)
-            if seg is None:  # no segment.started seen (a server that skips it): still accounted
-                seg = self._new_seg(u, segment, "", 0, 0, header.sample_offset + u.sample_base)
-            seg.play.samples += n
-            u.stats.samples += n
+            seg = u.on_audio(header.segment, header.sample_offset, n)
             if queue:
                 u._put(AudioChunk(utterance_id=header.utterance_id, segment=segment, seq=header.seq,
                                   sample_offset=header.sample_offset + u.sample_base, pcm=payload,
@@ -1164,14 +1028,6 @@ class Client:
             u = next((x for x in self._utterances if x.local_id == msg["id"] and x.id is None), None)
         self._notify(fn, u, msg, t)
 
-    def _new_seg(self, u: Utterance, index: int, text: str, start_char: int, end_char: int,
-                 sample_offset: int) -> _Seg:
-        play = SegmentPlay(segment=index, take=u.take, text=text)
-        u.stats.plays.append(play)
-        seg = _Seg(start_char, end_char, sample_offset, play)
-        u.segs[index] = seg
-        return seg
-
     async def _on_message(self, msg: dict[str, Any], t_rcvd: float = 0.0) -> None:
         t = msg.get("type")
         if self.recorder is not None:
@@ -1182,24 +1038,11 @@ class Client:
         elif t == P.ServerType.SEGMENT_STARTED:
             u = self._record(int(msg["utterance_id"]))
             if u is not None and not self._cancel_replies:
-                text = str(msg.get("text", ""))
-                index = u.seg_base + int(msg.get("segment", 0))
-                del u.stats.segments[index:]  # a resumed sending tells its segments again
-                u.stats.segments.append(text)
-                seg = u.segs.get(index)
-                start = u.base_char + int(msg.get("start_char", 0))
-                end = u.base_char + int(msg.get("end_char", 0))
-                offset = u.sample_base + int(msg.get("sample_offset", 0))
-                if seg is None:
-                    self._new_seg(u, index, text, start, end, offset)
-                else:
-                    seg.start_char, seg.end_char, seg.play.text = start, end, text
+                u.on_segment_started(msg)
         elif t == P.ServerType.SEGMENT_DONE:
             u = self._record(int(msg["utterance_id"]))
             if u is not None:
-                seg = u.segs.get(u.seg_base + int(msg.get("segment", 0)))
-                if seg is not None:
-                    seg.done = seg.play.complete = True
+                u.on_segment_done(msg)
         elif t == P.ServerType.UTTERANCE_DONE:
             u = self._record(int(msg["utterance_id"]))
             if u is not None and u.retrying:
@@ -1294,14 +1137,7 @@ class Client:
         await asyncio.sleep(wait_ms / 1000.0)
         if u.cancelling or self.closed or not u.retrying or not self._link_up:
             return  # cancelled, or a reconnect took it over
-        u.stats.attempts += 1
-        u.stats.error = None
-        u.retrying = False
-        u.id = None
-        u.base_char = u.sent = 0
-        u.end_sent = False
-        u.take += 1
-        u.parked = False
+        u.restart_for_retry()
         with contextlib.suppress(VoicegwError):
             await self._pump(u)
 

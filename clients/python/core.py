@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from clients.python.playout import Playout, PlayoutReport
+from gateway import protocol as P
 
 __all__ = [
     "FINAL_CLOSES",
@@ -56,7 +57,11 @@ __all__ = [
     "ResumePoint",
     "Retry",
     "RetryPolicy",
+    "Segment",
     "SegmentLike",
+    "SegmentPlay",
+    "UtteranceState",
+    "UtteranceStats",
     "SegmentView",
     "connect_decision",
     "overload_decision",
@@ -370,3 +375,216 @@ def plan_resume(segs: Mapping[int, SegmentLike], *, seg_base: int, base_char: in
     if prev is not None:
         return ResumePoint(k, prev.end_char, prev.sample_offset + prev.samples, None)
     return ResumePoint(k, base_char, sample_base, None)
+
+
+# ------------------------------------------------------------------ utterance protocol state
+
+MAX_PIECE_CHARS = 4000
+"""Longest ``text.delta`` a resend uses (well under ``limits.max_message_bytes``)."""
+
+
+@dataclass
+class UtteranceStats:
+    utterance_id: int | None = None
+    status: str = "pending"
+    """ok | error | cancelled | empty | pending"""
+    error: str | None = None
+    ttfa_ms: float | None = None
+    """First text sent -> first audio frame received."""
+    play_start_ms: float | None = None
+    """First text sent -> playback started (realtime/speakers modes)."""
+    samples: int = 0
+    """Samples received."""
+    server_samples: int | None = None
+    """Samples the server says it sent (``utterance.done``)."""
+    sample_rate_hz: int = 24_000
+    underruns: int = 0
+    cancelled: bool = False
+    heard_text: str | None = None
+    segments: list[str] = field(default_factory=list)
+    wall_ms: float | None = None
+    """First text sent -> all audio received."""
+    chunks_dropped: int = 0
+    attempts: int = 1
+    """Times the utterance was sent (overload retries add one each)."""
+    resumes: int = 0
+    """Times it was sent again after a reconnect."""
+    gap_ms: float = 0.0
+    """Silence the listener heard inside it because of reconnects."""
+    plays: list[SegmentPlay] = field(default_factory=list)
+    """Per segment and take (one per sending): samples received and played (realtime/speakers:
+    played out; instant: taken from ``speak()``; none: received)."""
+
+    def heard_whole(self) -> list[int]:
+        """Segment indexes in the order their audio was played through, each take once."""
+        return [p.segment for p in self.plays if p.complete and p.played >= p.samples]
+
+    @property
+    def duration_ms(self) -> float:
+        return self.samples * 1000.0 / self.sample_rate_hz
+
+    def __str__(self) -> str:
+        ttfa = f"{self.ttfa_ms:.0f} ms" if self.ttfa_ms is not None else "-"
+        wall = f", received in {self.wall_ms:.0f} ms" if self.wall_ms is not None else ""
+        extra = f", error {self.error}" if self.error else ""
+        extra += ", cancelled" if self.cancelled else ""
+        return (
+            f"{self.status}: {self.duration_ms / 1000:.2f} s of audio ({self.samples} samples at "
+            f"{self.sample_rate_hz} Hz), TTFA {ttfa}{wall}, {len(self.segments)} segments, "
+            f"{self.underruns} underruns{extra}"
+        )
+
+
+@dataclass
+class SegmentPlay:
+    """One take of one segment: its audio as one sending delivered it."""
+
+    segment: int
+    take: int
+    text: str = ""
+    samples: int = 0
+    """Samples received in this take."""
+    played: int = 0
+    complete: bool = False
+    """The server said the segment's audio is all sent (``segment.done``) in this take."""
+
+
+@dataclass
+class Segment:
+    """A segment of an utterance in utterance coordinates (chars and samples from its start)."""
+
+    start_char: int
+    end_char: int
+    sample_offset: int
+    play: SegmentPlay
+    done: bool = False
+    pos: int | None = None
+    """Playout position of its first sample (realtime/speakers)."""
+
+    @property
+    def samples(self) -> int:
+        """Samples received of it in the current take (``core.SegmentLike``)."""
+        return self.play.samples
+
+
+
+class UtteranceState:
+    """One utterance's protocol state: its text and what of it the current sending carried, its
+    segments in utterance coordinates (a resumed or retried sending keeps the numbering), and the
+    transitions the client makes on it (what to send next, a segment's messages and audio, an
+    overload retry, a resume). The shell's ``Utterance`` adds the audio queue and the waits."""
+
+    def __init__(self, local_id: str, sample_rate_hz: int = P.DEFAULT_SAMPLE_RATE_HZ) -> None:
+        self.local_id = local_id
+        self.id: int | None = None
+        """The server's id of the current sending."""
+        self.stats = UtteranceStats(sample_rate_hz=sample_rate_hz)
+        self.text = ""
+        """All text the application gave it."""
+        self.base_char = 0
+        """Where in ``text`` the current sending starts (a resume starts past heard segments)."""
+        self.sent = 0
+        """Chars of ``text`` sent in the current sending (absolute)."""
+        self.end_requested = False
+        self.end_sent = False
+        self.parked = False
+        """Its text is kept, not sent (outage, overload wait) until it is sent again."""
+        self.sent_any = False
+        self.resume_note = False
+        self.retrying = False
+        """Refused for overload: the old sending's ``utterance.done`` is not the end."""
+        self.seg_base = 0
+        """Segment index / sample offset of the current sending's first segment."""
+        self.sample_base = 0
+        self.take = 0
+        self.segs: dict[int, Segment] = {}
+        self.cancelling = False
+
+    @property
+    def chars(self) -> int:
+        return len(self.text)
+
+    def next_message(self, max_piece_chars: int = MAX_PIECE_CHARS) -> dict[str, Any] | None:
+        """What the current sending lacks, next: a ``text.delta`` (the sending's first carries
+        the utterance's ``id``), then ``text.end`` once asked; None when it has it all."""
+        if self.sent < self.chars:
+            piece = self.text[self.sent:self.sent + max_piece_chars]
+            msg: dict[str, Any] = {"type": P.ClientType.TEXT_DELTA.value, "text": piece}
+            if self.sent == self.base_char:
+                msg["id"] = self.local_id
+            self.sent += len(piece)
+            self.sent_any = True
+            return msg
+        if self.end_requested and not self.end_sent:
+            self.end_sent = True
+            return {"type": P.ClientType.TEXT_END.value}
+        return None
+
+    def new_segment(self, index: int, text: str, start_char: int, end_char: int, sample_offset: int) -> Segment:
+        play = SegmentPlay(segment=index, take=self.take, text=text)
+        self.stats.plays.append(play)
+        seg = Segment(start_char, end_char, sample_offset, play)
+        self.segs[index] = seg
+        return seg
+
+    def on_segment_started(self, msg: Mapping[str, Any]) -> None:
+        """``segment.started`` of the current sending (its numbers are the sending's own)."""
+        text = str(msg.get("text", ""))
+        index = self.seg_base + int(msg.get("segment", 0))
+        del self.stats.segments[index:]  # a resumed sending tells its segments again
+        self.stats.segments.append(text)
+        seg = self.segs.get(index)
+        start = self.base_char + int(msg.get("start_char", 0))
+        end = self.base_char + int(msg.get("end_char", 0))
+        offset = self.sample_base + int(msg.get("sample_offset", 0))
+        if seg is None:
+            self.new_segment(index, text, start, end, offset)
+        else:
+            seg.start_char, seg.end_char, seg.play.text = start, end, text
+
+    def on_segment_done(self, msg: Mapping[str, Any]) -> None:
+        seg = self.segs.get(self.seg_base + int(msg.get("segment", 0)))
+        if seg is not None:
+            seg.done = seg.play.complete = True
+
+    def on_audio(self, segment: int, sample_offset: int, n: int) -> Segment:
+        """``n`` samples of the current sending's segment ``segment`` arrived (at its
+        ``sample_offset``): the segment (in utterance numbering) they are accounted to."""
+        index = segment + self.seg_base
+        seg = self.segs.get(index)
+        if seg is None:  # no segment.started seen (a server that skips it): still accounted
+            seg = self.new_segment(index, "", 0, 0, sample_offset + self.sample_base)
+        seg.play.samples += n
+        self.stats.samples += n
+        return seg
+
+    def restart_for_retry(self) -> None:
+        """An overload retry's new sending: the whole text again, as a new take."""
+        self.stats.attempts += 1
+        self.stats.error = None
+        self.retrying = False
+        self.id = None
+        self.base_char = self.sent = 0
+        self.end_sent = False
+        self.take += 1
+        self.parked = False
+
+    def resume(self) -> ResumePoint:
+        """The connection dropped: park it at its first segment not wholly received
+        (``plan_resume``), forget the segments from there on; the next sending starts there."""
+        self.parked = True
+        self.retrying = False
+        plan = plan_resume(self.segs, seg_base=self.seg_base, base_char=self.base_char, sample_base=self.sample_base)
+        for j in [j for j in self.segs if j >= plan.segment]:
+            del self.segs[j]
+        self.id = None
+        self.base_char = self.sent = plan.char
+        self.end_sent = False
+        self.seg_base, self.sample_base = plan.segment, plan.sample
+        self.stats.samples = plan.sample
+        self.stats.error = None
+        self.take += 1
+        if self.sent_any:
+            self.stats.resumes += 1
+            self.resume_note = True
+        return plan
