@@ -264,6 +264,7 @@ class Utterance(core.UtteranceState):
         self._queue.append(_END)
         self._wake.set()
         self.done.set()
+        self.finished = True
 
     # -- consumer side
 
@@ -369,9 +370,10 @@ class Client:
         self.reports_sent = 0
         self.output_latency_ms = 0.0
         self._rnd = random.Random()
-        self._utterances: list[Utterance] = []
-        self._by_id: dict[int, Utterance] = {}
-        self._max_id = 0
+        self._reg: core.Registry[Utterance] = core.Registry()
+        self._utterances = self._reg.items
+        """Unfinished utterances, in order (``core.Registry``)."""
+        self._by_id = self._reg.by_id
         self._local_seq = 0
         self._open: Utterance | None = None
         self._send_lock = asyncio.Lock()
@@ -382,8 +384,8 @@ class Client:
         self._tasks: list[asyncio.Task[Any]] = []
         self._lock = threading.Lock()  # playout + speaker FIFO + spans (the sound card thread uses them)
         self._fifo = bytearray()  # speakers mode: PCM waiting for the sound card
-        self._spans: deque[list[Any]] = deque()
-        """[SegmentPlay, samples] in playout order: which segment the buffered audio belongs to."""
+        self._ledger = core.PlayLedger()
+        """Which segment the buffered audio belongs to."""
         self._stream: Any = None
         self._last_report_s = 0.0
         self._last_instant_report = -1
@@ -593,7 +595,7 @@ class Client:
             with self._lock:
                 played = self.playout.cancel()
                 self._fifo.clear()
-                self._spans.clear()
+                self._ledger.clear()
         elif self.playback_mode == "instant":
             played = self.consumed_samples
         else:
@@ -663,7 +665,7 @@ class Client:
         self._local_seq += 1
         u = Utterance(self, f"u{self._local_seq}")
         u.parked = not self._link_up
-        self._utterances.append(u)
+        self._reg.add(u)
         return u
 
     async def _send(self, obj: dict[str, Any]) -> None:
@@ -752,16 +754,7 @@ class Client:
     # ------------------------------------------------------------------ internals: receiving
 
     def _record(self, uid: int) -> Utterance | None:
-        u = self._by_id.get(uid)
-        if u is None and uid > self._max_id:
-            for cand in self._utterances:
-                if cand.id is None and not cand.parked and cand.sent > cand.base_char and not cand.done.is_set():
-                    cand.id = uid
-                    cand.stats.utterance_id = uid
-                    self._max_id = uid
-                    self._by_id[uid] = cand
-                    return cand
-        return u
+        return self._reg.record(uid)
 
     async def _reader(self, ws: ClientConnection, gen: int) -> None:
         self._stop_reading = False
@@ -854,14 +847,7 @@ class Client:
                 dropped = self.playout.truncate(keep)
                 if self.playback_mode == "speakers":
                     del self._fifo[2 * self.playout.buffered:]
-                while dropped > 0 and self._spans:
-                    span = self._spans[-1]
-                    cut = min(dropped, span[1])
-                    span[1] -= cut
-                    span[0].samples -= cut
-                    dropped -= cut
-                    if span[1] == 0:
-                        self._spans.pop()
+                self._ledger.drop_tail(dropped)
 
     async def _reconnect(self, rec: core.Reconnector, act: core.Reconnect | core.GiveUp) -> None:
         """Carry out the core's reconnect decisions (``core.Reconnector``): wait, open, repeat."""
@@ -895,8 +881,7 @@ class Client:
     async def _replay(self) -> None:
         """A new session is up: its ids and played counter start afresh; send the parked
         utterances again in order."""
-        self._by_id.clear()
-        self._max_id = 0
+        self._reg.new_session()
         with self._lock:
             if self.playback_mode in ("realtime", "speakers"):
                 self._played_base = self.playout.played + self.playout.buffered
@@ -985,10 +970,7 @@ class Client:
                 if seg is not None:
                     if seg.pos is None:
                         seg.pos = self.playout.written
-                    if self._spans and self._spans[-1][0] is seg.play:
-                        self._spans[-1][1] += n
-                    else:
-                        self._spans.append([seg.play, n])
+                    self._ledger.pushed(seg.play, n)
                 self.playout.push(n)
                 if mode == "speakers":
                     self._fifo += payload
@@ -1025,7 +1007,7 @@ class Client:
         if isinstance(uid, int):
             u = self._record(uid)
         elif msg.get("id") is not None and mtype == P.ServerType.ERROR:
-            u = next((x for x in self._utterances if x.local_id == msg["id"] and x.id is None), None)
+            u = self._reg.opening(msg["id"])
         self._notify(fn, u, msg, t)
 
     async def _on_message(self, msg: dict[str, Any], t_rcvd: float = 0.0) -> None:
@@ -1076,7 +1058,7 @@ class Client:
                     u.stats.error = code
                     self._maybe_retry(u, msg)
             elif msg.get("id") is not None:
-                u2 = next((x for x in self._utterances if x.local_id == msg["id"] and x.id is None), None)
+                u2 = self._reg.opening(msg["id"])
                 if u2 is not None and u2.stats.samples == 0:
                     # the opening delta was refused: this utterance never opened on the server
                     u2.text = ""
@@ -1142,23 +1124,13 @@ class Client:
             await self._pump(u)
 
     def _forget(self, u: Utterance) -> None:
-        with contextlib.suppress(ValueError):
-            self._utterances.remove(u)
-        if u.id is not None:
-            self._by_id.pop(u.id, None)
+        self._reg.forget(u)
 
     # ------------------------------------------------------------------ internals: playback
 
     def _credit(self, k: int) -> None:
         """``k`` samples were played: credit them to their segments (caller holds ``_lock``)."""
-        while k > 0 and self._spans:
-            span = self._spans[0]
-            take = min(k, span[1])
-            span[0].played += take
-            span[1] -= take
-            k -= take
-            if span[1] == 0:
-                self._spans.popleft()
+        self._ledger.credit(k)
 
     def _on_consumed(self, n: int, segment: int, u: Utterance) -> None:
         self.consumed_samples += n

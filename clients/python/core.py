@@ -33,9 +33,10 @@ Events and actions:
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from clients.python.playout import Playout, PlayoutReport
 from gateway import protocol as P
@@ -60,6 +61,8 @@ __all__ = [
     "Segment",
     "SegmentLike",
     "SegmentPlay",
+    "PlayLedger",
+    "Registry",
     "UtteranceState",
     "UtteranceStats",
     "SegmentView",
@@ -499,6 +502,8 @@ class UtteranceState:
         self.take = 0
         self.segs: dict[int, Segment] = {}
         self.cancelling = False
+        self.finished = False
+        """All its audio arrived, or it ended otherwise (the shell's ``done``)."""
 
     @property
     def chars(self) -> int:
@@ -588,3 +593,90 @@ class UtteranceState:
             self.stats.resumes += 1
             self.resume_note = True
         return plan
+
+
+U = TypeVar("U", bound=UtteranceState)
+
+
+class Registry(Generic[U]):
+    """The session's utterances, in order, and the server's ids of their current sendings. The
+    server numbers the utterances a session opens from 1 and never says which opening delta an id
+    answers: a new id goes to the first utterance whose sending has begun and has none."""
+
+    def __init__(self) -> None:
+        self.items: list[U] = []
+        self.by_id: dict[int, U] = {}
+        self.max_id = 0
+
+    def add(self, u: U) -> U:
+        self.items.append(u)
+        return u
+
+    def record(self, uid: int) -> U | None:
+        """The utterance server id ``uid`` belongs to (assigned on first sight)."""
+        u = self.by_id.get(uid)
+        if u is None and uid > self.max_id:
+            for cand in self.items:
+                if cand.id is None and not cand.parked and cand.sent > cand.base_char and not cand.finished:
+                    cand.id = uid
+                    cand.stats.utterance_id = uid
+                    self.max_id = uid
+                    self.by_id[uid] = cand
+                    return cand
+        return u
+
+    def opening(self, local_id: Any) -> U | None:
+        """The utterance whose opening delta carried ``id`` = ``local_id`` and got no server id."""
+        return next((x for x in self.items if x.local_id == local_id and x.id is None), None)
+
+    def forget(self, u: U) -> None:
+        if u in self.items:
+            self.items.remove(u)
+        if u.id is not None:
+            self.by_id.pop(u.id, None)
+
+    def new_session(self) -> None:
+        """A new session numbers its utterances afresh."""
+        self.by_id.clear()
+        self.max_id = 0
+
+
+class PlayLedger:
+    """Which take of which segment the buffered audio belongs to, in playout order: samples
+    played are credited to their ``SegmentPlay`` (``plays``: what of which segment was heard)."""
+
+    def __init__(self) -> None:
+        self.spans: deque[list[Any]] = deque()
+        """[SegmentPlay, samples] in playout order."""
+
+    def pushed(self, play: SegmentPlay, n: int) -> None:
+        if self.spans and self.spans[-1][0] is play:
+            self.spans[-1][1] += n
+        else:
+            self.spans.append([play, n])
+
+    def credit(self, k: int) -> None:
+        """``k`` samples were played."""
+        while k > 0 and self.spans:
+            span = self.spans[0]
+            take = min(k, span[1])
+            span[0].played += take
+            span[1] -= take
+            k -= take
+            if span[1] == 0:
+                self.spans.popleft()
+
+    def drop_tail(self, dropped: int) -> None:
+        """The last ``dropped`` buffered samples were dropped (a resume): they were not received
+        in their take after all."""
+        while dropped > 0 and self.spans:
+            span = self.spans[-1]
+            cut = min(dropped, span[1])
+            span[1] -= cut
+            span[0].samples -= cut
+            dropped -= cut
+            if span[1] == 0:
+                self.spans.pop()
+
+    def clear(self) -> None:
+        self.spans.clear()
