@@ -163,3 +163,44 @@ async def test_worklet_runs_on_the_shared_rules(web_page: Any) -> None:
     assert out["underruns"] == 1 and out["targetMs"] == 100
     assert out["drainedUnderruns"] == 1  # the drain at the utterance end is not an underrun
     assert out["played"] == 960 + 2400 + 480
+
+
+async def test_browser_reconnect_honours_a_final_refusal(web_page: Any) -> None:
+    """The JS shell carries out the core's reconnect decisions on real sockets: a session dropped
+    with 1012 is reconnected; an attempt closed with 1008 before ``session.started`` (do not
+    retry) ends the reconnecting at once (``gaveup``, reason ``final``), not at the deadline."""
+    from websockets.asyncio.server import serve
+
+    from gateway import protocol as P
+
+    conns: list[int] = []
+
+    async def handler(ws: Any) -> None:
+        conns.append(len(conns) + 1)
+        if len(conns) > 1:
+            await ws.close(1008, "text rate abuse")
+            return
+        await ws.recv()  # session.start
+        await ws.send(json.dumps({"type": "session.started", "session_id": "s1", "sample_rate": 24000}))
+        await ws.close(1012, "server shutting down")
+
+    async with serve(handler, "127.0.0.1", 0, subprotocols=[P.SUBPROTOCOL]) as server:  # type: ignore[list-item]
+        port = next(iter(server.sockets)).getsockname()[1]
+        out = await web_page.evaluate("""
+          async (url) => {
+            const { VoiceGateway } = await import("/voicegw.js");
+            const gw = new VoiceGateway(url, { audio: false, retry: { reconnectInitialMs: 50, reconnectTimeoutMs: 60000 } });
+            const events = [];
+            for (const t of ["disconnected", "reconnecting", "reconnected", "gaveup", "close"]) {
+              gw.addEventListener(t, (e) => events.push({ type: t, ...e.detail }));
+            }
+            const t0 = performance.now();
+            await gw.connect();
+            await new Promise((resolve) => gw.addEventListener("gaveup", resolve));
+            return { events, ms: performance.now() - t0, closed: gw.closed };
+          }
+        """, f"ws://127.0.0.1:{port}/ws")
+    types = [e["type"] for e in out["events"]]
+    assert types[:3] == ["disconnected", "reconnecting", "gaveup"], out
+    assert out["events"][2]["reason"] == "final" and out["closed"], out
+    assert len(conns) == 2 and out["ms"] < 10_000, out
