@@ -370,7 +370,9 @@ class Client:
         self.reports_sent = 0
         self.output_latency_ms = 0.0
         self._rnd = random.Random()
-        self._reg: core.Registry[Utterance] = core.Registry()
+        self._core: core.ClientCore[Utterance] = core.ClientCore(self.retry, self._rnd)
+        """The session's protocol state and decisions (sans I/O); this class carries them out."""
+        self._reg = self._core.registry
         self._utterances = self._reg.items
         """Unfinished utterances, in order (``core.Registry``)."""
         self._by_id = self._reg.by_id
@@ -1014,97 +1016,66 @@ class Client:
         t = msg.get("type")
         if self.recorder is not None:
             self._record_message(t, msg, t_rcvd)
-        if t == P.ServerType.SESSION_STARTED:
-            if self._session_waiter is not None and not self._session_waiter.done():
-                self._session_waiter.set_result(msg)
-        elif t == P.ServerType.SEGMENT_STARTED:
-            u = self._record(int(msg["utterance_id"]))
-            if u is not None and not self._cancel_replies:
-                u.on_segment_started(msg)
-        elif t == P.ServerType.SEGMENT_DONE:
-            u = self._record(int(msg["utterance_id"]))
-            if u is not None:
-                u.on_segment_done(msg)
-        elif t == P.ServerType.UTTERANCE_DONE:
-            u = self._record(int(msg["utterance_id"]))
-            if u is not None and u.retrying:
-                self._by_id.pop(int(msg["utterance_id"]), None)  # the refused sending ended
-            elif u is not None and not u.done.is_set():
-                u.stats.server_samples = u.sample_base + int(msg.get("samples", 0))
-                if u.t_first_text is not None:
-                    u.stats.wall_ms = (time.perf_counter() - u.t_first_text) * 1000.0
-                failure = None
-                if msg.get("status") != P.UtteranceStatus.OK:
-                    u.stats.error = str(msg.get("error") or u.stats.error or "error")
-                    failure = UtteranceFailed(u.stats.error, "utterance failed", msg)
-                with self._lock:
-                    self.playout.end()
-                    u.end_pos = self.playout.written
-                u._finish(failure)
-                self._check_played()
-        elif t == P.ServerType.CANCELLED:
-            self._on_cancelled(msg)
-            if self._cancel_replies:
-                waiter = self._cancel_replies.popleft()
-                if not waiter.done():
-                    waiter.set_result(msg)
-        elif t == P.ServerType.ERROR:
+        if t == P.ServerType.ERROR:
             self.errors.append(msg)
             log.info("gateway error %s: %s", msg.get("code"), msg.get("message"))
-            code = str(msg.get("code"))
-            if msg.get("utterance_id") is not None:
-                u = self._record(int(msg["utterance_id"]))
-                if u is not None:
-                    u.stats.error = code
-                    self._maybe_retry(u, msg)
-            elif msg.get("id") is not None:
-                u2 = self._reg.opening(msg["id"])
-                if u2 is not None and u2.stats.samples == 0:
-                    # the opening delta was refused: this utterance never opened on the server
-                    u2.text = ""
-                    u2.sent = u2.base_char = 0
-                    u2.cancelling = True  # its sender stops
-                    if self._open is u2:
-                        self._open = None
-                    u2.stats.error = code
-                    u2._finish(VoicegwError(code, str(msg.get("message", "")), msg))
-                    u2.played.set()
-                    self._forget(u2)
-            if msg.get("fatal") and self._session_waiter is not None and not self._session_waiter.done():
-                self._session_waiter.set_exception(VoicegwError(code, str(msg.get("message", "")), msg))
-        elif t == P.ServerType.PONG:
-            fut = self._pong_waiters.pop(str(msg.get("id")), None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
+        for ev in self._core.receive(msg, time.monotonic(), dropping_audio=bool(self._cancel_replies),
+                                     closing=self.closed):
+            self._carry_out(ev)
 
-    def _on_cancelled(self, msg: dict[str, Any]) -> None:
-        ids = set(msg.get("cancelled_utterances") or [])
-        if msg.get("utterance_id") is not None:
-            ids.add(msg["utterance_id"])
-        for u in list(self._utterances):
-            if u.cancelling or (u.id is not None and u.id in ids):
-                u.stats.cancelled = True
-                u.stats.status = "cancelled"
-                if u.id is not None and u.id == msg.get("utterance_id"):
-                    u.stats.heard_text = msg.get("heard_text")
+    def _carry_out(self, ev: core.Event[Utterance]) -> None:
+        """Do what the core decided on a message."""
+        if isinstance(ev, core.SessionReady):
+            if self._session_waiter is not None and not self._session_waiter.done():
+                self._session_waiter.set_result(dict(ev.msg))
+        elif isinstance(ev, core.Finished):
+            u = ev.u
+            if u.t_first_text is not None:
+                u.stats.wall_ms = (time.perf_counter() - u.t_first_text) * 1000.0
+            failure = UtteranceFailed(ev.error, "utterance failed", dict(ev.msg)) if ev.error is not None else None
+            with self._lock:
+                self.playout.end()
+                u.end_pos = self.playout.written
+            u._finish(failure)
+            self._check_played()
+        elif isinstance(ev, core.CancelledUtterances):
+            for u in ev.utterances:
                 u._finish()
                 u.played.set()
                 self._forget(u)
+            if self._cancel_replies:
+                waiter = self._cancel_replies.popleft()
+                if not waiter.done():
+                    waiter.set_result(dict(ev.msg))
+        elif isinstance(ev, core.RetryUtterance):
+            self._retry(ev.u, ev.retry)
+        elif isinstance(ev, core.Refused):
+            if self._open is ev.u:
+                self._open = None
+            ev.u._finish(VoicegwError(ev.code, ev.message, dict(ev.msg)))
+            ev.u.played.set()
+        elif isinstance(ev, core.FatalError):
+            if self._session_waiter is not None and not self._session_waiter.done():
+                self._session_waiter.set_exception(VoicegwError(ev.code, ev.message, dict(ev.msg)))
+        elif isinstance(ev, core.Pong):
+            fut = self._pong_waiters.pop(str(ev.msg.get("id")), None)
+            if fut is not None and not fut.done():
+                fut.set_result(dict(ev.msg))
+
+    def _on_cancelled(self, msg: dict[str, Any]) -> None:
+        """A ``cancelled`` (the server's, or a local one while reconnecting)."""
+        for u in self._core.cancelled(msg).utterances:
+            u._finish()
+            u.played.set()
+            self._forget(u)
 
     # ------------------------------------------------------------------ internals: overload retry
 
-    def _maybe_retry(self, u: Utterance, msg: dict[str, Any]) -> None:
-        """An error about ``u`` (``core.overload_decision``): a final refusal, or audio already
-        received, fails it (its ``utterance.done`` reports it); ``engine_overloaded`` before any
-        audio parks the text, ends the refused sending (the server absorbs its text until
-        ``text.end``) and sends it again after the hinted wait."""
-        act = core.overload_decision(self.retry, msg, attempts=u.stats.attempts, received_samples=u.stats.samples,
-                                     now_s=time.monotonic(), rnd=self._rnd, cancelled=u.cancelling or self.closed)
-        if not isinstance(act, core.Retry):
-            return
+    def _retry(self, u: Utterance, act: core.Retry) -> None:
+        """``engine_overloaded`` before any audio (``core.overload_decision``; the core parked
+        ``u``): end the refused sending (the server absorbs its text until ``text.end``) and send
+        it again after the hinted wait."""
         wait_ms = act.wait_ms
-        u.parked = True
-        u.retrying = True
         self._emit("retry", utterance=u.local_id, attempt=act.attempt, wait_ms=round(wait_ms))
         task = asyncio.create_task(self._retry_later(u, wait_ms), name=f"voicegw-retry {u.local_id}")
         self._tasks.append(task)

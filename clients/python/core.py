@@ -26,6 +26,10 @@ Events and actions:
 * ``plan_resume(segments, ...)`` — where an unfinished utterance is sent again from
   (``ResumePoint``: its first segment not wholly received, that segment's first char and sample,
   and the playout position past which buffered audio is dropped).
+* ``ClientCore.receive(msg, now_s)`` — a message from the server: the session's utterances
+  (``Registry``, ``UtteranceState``) change; what the shell must do comes out (``SessionReady``,
+  ``Finished``, ``CancelledUtterances``, ``RetryUtterance``, ``Refused``, ``FatalError``,
+  ``Pong``).
 * ``Playout`` — the jitter-buffer rules (push / end / pull / cancel / truncate), shared with the
   browser's AudioWorklet (``clients/web/playout-rules.js``).
 """
@@ -61,7 +65,15 @@ __all__ = [
     "Segment",
     "SegmentLike",
     "SegmentPlay",
+    "CancelledUtterances",
+    "ClientCore",
+    "FatalError",
+    "Finished",
     "PlayLedger",
+    "Pong",
+    "Refused",
+    "RetryUtterance",
+    "SessionReady",
     "Registry",
     "UtteranceState",
     "UtteranceStats",
@@ -680,3 +692,158 @@ class PlayLedger:
 
     def clear(self) -> None:
         self.spans.clear()
+
+
+# ------------------------------------------------------------------ the session's messages in, actions out
+
+
+@dataclass(frozen=True)
+class SessionReady:
+    """``session.started``: the session is up."""
+
+    msg: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Finished(Generic[U]):
+    """All of ``u``'s audio arrived (``utterance.done``); ``error``: it ended in error."""
+
+    u: U
+    error: str | None
+    msg: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class CancelledUtterances(Generic[U]):
+    """``cancelled``: these utterances ended (stats set, forgotten); the oldest ``cancel()``
+    awaiting a reply gets ``msg``."""
+
+    utterances: list[U]
+    msg: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class RetryUtterance(Generic[U]):
+    """``u`` was refused for overload before any audio: it is parked; end its refused sending
+    and send it again as ``retry`` says."""
+
+    u: U
+    retry: Retry
+
+
+@dataclass(frozen=True)
+class Refused(Generic[U]):
+    """The opening delta of ``u`` was refused: it never opened on the server (forgotten)."""
+
+    u: U
+    code: str
+    message: str
+    msg: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class FatalError:
+    """A fatal ``error``: the session closes after it."""
+
+    code: str
+    message: str
+    msg: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Pong:
+    msg: Mapping[str, Any]
+
+
+Event = SessionReady | Finished[U] | CancelledUtterances[U] | RetryUtterance[U] | Refused[U] | FatalError | Pong
+
+
+class ClientCore(Generic[U]):
+    """The session protocol's state on the client side, sans I/O: the utterances
+    (``registry``), what the server's messages do to them, and the decisions they call for.
+    ``receive(msg, now_s)`` takes one decoded JSON message and returns what the shell must do."""
+
+    def __init__(self, policy: RetryPolicy, rnd: random.Random | Rand) -> None:
+        self.policy = policy
+        self.rnd = rnd
+        self.registry: Registry[U] = Registry()
+
+    def receive(self, msg: Mapping[str, Any], now_s: float, *, dropping_audio: bool = False,
+                closing: bool = False) -> list[Event[U]]:
+        """``dropping_audio``: a ``cancel`` awaits its reply (what it cancelled is not tracked);
+        ``closing``: the application is closing the client (nothing is retried)."""
+        t = msg.get("type")
+        reg = self.registry
+        if t == P.ServerType.SESSION_STARTED:
+            return [SessionReady(msg)]
+        if t == P.ServerType.SEGMENT_STARTED:
+            u = reg.record(int(msg["utterance_id"]))
+            if u is not None and not dropping_audio:
+                u.on_segment_started(msg)
+            return []
+        if t == P.ServerType.SEGMENT_DONE:
+            u = reg.record(int(msg["utterance_id"]))
+            if u is not None:
+                u.on_segment_done(msg)
+            return []
+        if t == P.ServerType.UTTERANCE_DONE:
+            uid = int(msg["utterance_id"])
+            u = reg.record(uid)
+            if u is not None and u.retrying:
+                reg.by_id.pop(uid, None)  # the refused sending ended; the retry follows
+            elif u is not None and not u.finished:
+                u.stats.server_samples = u.sample_base + int(msg.get("samples", 0))
+                error = None
+                if msg.get("status") != P.UtteranceStatus.OK:
+                    error = u.stats.error = str(msg.get("error") or u.stats.error or "error")
+                return [Finished(u, error, msg)]
+            return []
+        if t == P.ServerType.CANCELLED:
+            return [self.cancelled(msg)]
+        if t == P.ServerType.ERROR:
+            return self._error(msg, now_s, closing)
+        if t == P.ServerType.PONG:
+            return [Pong(msg)]
+        return []
+
+    def cancelled(self, msg: Mapping[str, Any]) -> CancelledUtterances[U]:
+        """``cancelled`` (the server's, or the shell's own while reconnecting): the utterances
+        being cancelled and those it names end."""
+        ids = set(msg.get("cancelled_utterances") or [])
+        if msg.get("utterance_id") is not None:
+            ids.add(msg["utterance_id"])
+        gone = [u for u in self.registry.items if u.cancelling or (u.id is not None and u.id in ids)]
+        for u in gone:
+            u.stats.cancelled = True
+            u.stats.status = "cancelled"
+            if u.id is not None and u.id == msg.get("utterance_id"):
+                u.stats.heard_text = msg.get("heard_text")
+        return CancelledUtterances(gone, msg)
+
+    def _error(self, msg: Mapping[str, Any], now_s: float, closing: bool) -> list[Event[U]]:
+        out: list[Event[U]] = []
+        reg = self.registry
+        code = str(msg.get("code"))
+        if msg.get("utterance_id") is not None:
+            u = reg.record(int(msg["utterance_id"]))
+            if u is not None:
+                u.stats.error = code
+                act = overload_decision(self.policy, msg, attempts=u.stats.attempts, received_samples=u.stats.samples,
+                                        now_s=now_s, rnd=self.rnd, cancelled=u.cancelling or closing)
+                if isinstance(act, Retry):
+                    u.parked = True
+                    u.retrying = True
+                    out.append(RetryUtterance(u, act))
+        elif msg.get("id") is not None:
+            o = reg.opening(msg["id"])
+            if o is not None and o.stats.samples == 0:
+                # the opening delta was refused: this utterance never opened on the server
+                o.text = ""
+                o.sent = o.base_char = 0
+                o.cancelling = True  # its sender stops
+                o.stats.error = code
+                reg.forget(o)
+                out.append(Refused(o, code, str(msg.get("message", "")), msg))
+        if msg.get("fatal"):
+            out.append(FatalError(code, str(msg.get("message", "")), msg))
+        return out
