@@ -40,6 +40,10 @@ Riding out a bad minute (``retry=RetryPolicy(...)``, on by default):
   ``events`` (and ``on_event``) report ``disconnected``, ``reconnecting``, ``reconnected``,
   ``resumed``, ``retry`` and ``gave_up``; ``stats.plays`` says which audio of which segment played.
 
+The decisions are ``clients.python.core``'s (sans I/O: the session's utterances and what the
+server's messages do to them, overload retry, reconnect, resume planning, playout accounting);
+this module is the asyncio shell that carries them out (sockets, tasks, timers, the sound card).
+
 Seeing the wire (``recorder=``, ``ClientRecorder`` below): a ``ClientRecorder`` is told
 every message and audio frame as it is received, with its ``time.monotonic()`` receipt time
 (the load generator records its sessions this way). An application that plays the audio
