@@ -813,8 +813,9 @@ class Client:
             if not fut.done():
                 fut.set_exception(err)
         self._pong_waiters.clear()
-        reconnector = core.Reconnector(self.retry, self._rnd)
-        first = reconnector.lost(code, time.monotonic(), session_started=self.session is not None, closing=self.closed)
+        reconnector, acts = self._core.connection_lost(code, time.monotonic(), session_started=self.session is not None,
+                                                       closing=self.closed)
+        first = acts[-1]
         if isinstance(first, core.Fail):
             self.closed = True
             while self._cancel_replies:
@@ -830,24 +831,19 @@ class Client:
             fut = self._cancel_replies.popleft()
             if not fut.done():
                 fut.set_result({"type": P.ServerType.CANCELLED.value, "local": True, "cancelled_utterances": []})
-        self._plan_resume()
+        assert isinstance(acts[0], core.Resumes) and isinstance(first, (core.Reconnect, core.GiveUp))
+        self._carry_out_resumes(acts[0])
         task = asyncio.create_task(self._reconnect(reconnector, first), name="voicegw-client-reconnect")
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
-    def _plan_resume(self) -> None:
-        """Park every unfinished utterance at its first segment not wholly received; drop the
-        audio after that point from the playout (what is left plays on meanwhile)."""
-        keep: int | None = None
-        for u in self._utterances:
-            if u.done.is_set() and not u.retrying:
-                continue
-            if u.id is not None:
-                self._by_id.pop(u.id, None)
-            plan = u.resume()
+    def _carry_out_resumes(self, resumes: core.Resumes[Utterance]) -> None:
+        """The core parked every unfinished utterance at its first segment not wholly received:
+        drop the audio after that point from the queues and the playout (what is left plays on
+        meanwhile)."""
+        for u, plan in resumes.plans:
             u._drop_queued(from_segment=plan.segment)
-            if keep is None:
-                keep = plan.keep
+        keep = resumes.keep
         if keep is not None and self.playback_mode in ("realtime", "speakers"):
             with self._lock:
                 dropped = self.playout.truncate(keep)

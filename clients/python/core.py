@@ -30,6 +30,9 @@ Events and actions:
   (``Registry``, ``UtteranceState``) change; what the shell must do comes out (``SessionReady``,
   ``Finished``, ``CancelledUtterances``, ``RetryUtterance``, ``Refused``, ``FatalError``,
   ``Pong``).
+* ``ClientCore.connection_lost(close_code, now_s)`` — ``Resumes`` (every unfinished utterance
+  parked at its resume point, the playout position to cut at) and the first ``Reconnect``, or
+  ``Fail``; its ``Reconnector`` takes the outage on.
 * ``Playout`` — the jitter-buffer rules (push / end / pull / cancel / truncate), shared with the
   browser's AudioWorklet (``clients/web/playout-rules.js``).
 """
@@ -60,6 +63,7 @@ __all__ = [
     "Reconnected",
     "Reconnector",
     "ResumePoint",
+    "Resumes",
     "Retry",
     "RetryPolicy",
     "Segment",
@@ -755,6 +759,16 @@ class Pong:
     msg: Mapping[str, Any]
 
 
+@dataclass(frozen=True)
+class Resumes(Generic[U]):
+    """After a drop: these utterances are parked at their resume points (send them again, in
+    order, once reconnected; drop their queued audio from ``ResumePoint.segment``); buffered
+    audio past playout position ``keep`` is dropped (None: keep all)."""
+
+    plans: list[tuple[U, ResumePoint]]
+    keep: int | None
+
+
 Event = SessionReady | Finished[U] | CancelledUtterances[U] | RetryUtterance[U] | Refused[U] | FatalError | Pong
 
 
@@ -805,6 +819,33 @@ class ClientCore(Generic[U]):
         if t == P.ServerType.PONG:
             return [Pong(msg)]
         return []
+
+    def connection_lost(self, close_code: int | None, now_s: float, *, session_started: bool = True,
+                        closing: bool = False) -> tuple[Reconnector, list[Resumes[U] | Reconnect | GiveUp | Fail]]:
+        """The connection dropped (``close_code``; None: no close frame). Not resumable:
+        ``[Fail]``. Else ``[Resumes, Reconnect | GiveUp]``, and the returned ``Reconnector``
+        decides the rest of this outage (``failed``, ``connected``)."""
+        rec = Reconnector(self.policy, self.rnd)
+        first = rec.lost(close_code, now_s, session_started=session_started, closing=closing)
+        if isinstance(first, Fail):
+            return rec, [first]
+        return rec, [self.plan_resumes(), first]
+
+    def plan_resumes(self) -> Resumes[U]:
+        """Park every unfinished utterance at its first segment not wholly received; the
+        sendings' ids end with the session."""
+        plans: list[tuple[U, ResumePoint]] = []
+        keep: int | None = None
+        for u in self.registry.items:
+            if u.finished and not u.retrying:
+                continue
+            if u.id is not None:
+                self.registry.by_id.pop(u.id, None)
+            plan = u.resume()
+            plans.append((u, plan))
+            if keep is None:
+                keep = plan.keep
+        return Resumes(plans, keep)
 
     def cancelled(self, msg: Mapping[str, Any]) -> CancelledUtterances[U]:
         """``cancelled`` (the server's, or the shell's own while reconnecting): the utterances
