@@ -172,3 +172,17 @@ def test_no_import_cycles() -> None:
     dependency)."""
     cycles = _cycles(_graph(LAYER_ROOT))
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_client_core_is_sans_io() -> None:
+    """The client's decisions (``clients.python.core``: overload retry, reconnect, resume planning,
+    playout) import no event loop, socket, WebSocket library or torch: the Python client is an I/O
+    shell over them, and the shared scenario table runs them without a network."""
+    code = (
+        "import sys, json; import clients.python.core; "
+        f"print(json.dumps([m for m in {FORBIDDEN!r} if m in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, env=ENV)
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert loaded == [], f"importing clients.python.core loads {loaded}"

@@ -40,6 +40,10 @@ Riding out a bad minute (``retry=RetryPolicy(...)``, on by default):
   ``events`` (and ``on_event``) report ``disconnected``, ``reconnecting``, ``reconnected``,
   ``resumed``, ``retry`` and ``gave_up``; ``stats.plays`` says which audio of which segment played.
 
+The decisions are ``clients.python.core``'s (sans I/O: the session's utterances and what the
+server's messages do to them, overload retry, reconnect, resume planning, playout accounting);
+this module is the asyncio shell that carries them out (sockets, tasks, timers, the sound card).
+
 Seeing the wire (``recorder=``, ``ClientRecorder`` below): a ``ClientRecorder`` is told
 every message and audio frame as it is received, with its ``time.monotonic()`` receipt time
 (the load generator records its sessions this way). An application that plays the audio
@@ -67,6 +71,11 @@ import orjson
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from clients.python import core
+from clients.python.core import NO_RETRY as NO_RETRY
+from clients.python.core import RetryPolicy, Segment
+from clients.python.core import SegmentPlay as SegmentPlay
+from clients.python.core import UtteranceStats as UtteranceStats
 from clients.python.playout import Playout
 from gateway import protocol as P
 
@@ -135,61 +144,10 @@ TextSource = str | Iterable[str] | AsyncIterable[str]
 
 _TICK_S = 0.01
 _CANCEL_REPLY_TIMEOUT_S = 5.0
-_MAX_PIECE_CHARS = 4000
-"""Longest ``text.delta`` a resend uses (well under ``limits.max_message_bytes``)."""
 _EVENTS_KEPT = 256
-_RESUMABLE_CLOSES = frozenset({1006, 1011, 1012, 1013})
-"""Close codes after which a session is worth resuming (docs/protocol.md, close codes)."""
-_FINAL_HTTP = frozenset({400, 401, 403, 404, 405})
-"""Handshake refusals that no retry can fix."""
 _MULAW = P.AudioFormat.MULAW
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How a ``Client`` rides out overload and dropped connections (docs/clients.md)."""
-
-    overload_attempts: int = 3
-    """Attempts in all for an utterance refused with ``engine_overloaded`` before any of its
-    audio arrived (1: never retry)."""
-    overload_max_wait_ms: float = 5000.0
-    """Cap on one wait before an overload retry (the server's ``retry_after_ms``, jittered)."""
-    reconnect: bool = True
-    """Reconnect and resume after a dropped connection (1006, 1011, 1012, 1013)."""
-    reconnect_initial_ms: float = 250.0
-    """First backoff wait; it doubles per failed attempt."""
-    reconnect_max_ms: float = 5000.0
-    """Cap on one backoff wait (a server's ``Retry-After`` may ask for more: it wins)."""
-    reconnect_timeout_s: float = 60.0
-    """Give up (unfinished utterances fail with ``closed``) when not reconnected this long after
-    the drop."""
-    jitter: float = 0.2
-    """Each wait is multiplied by a random factor in [1 - jitter, 1 + jitter]."""
-    max_buffered_chars: int = 20_000
-    """Text kept per utterance while it cannot be sent (outage, overload wait); over it the
-    utterance fails with ``buffer_full``."""
-
-    def __post_init__(self) -> None:
-        if self.overload_attempts < 1:
-            raise ValueError("overload_attempts must be >= 1")
-        if not 0.0 <= self.jitter < 1.0:
-            raise ValueError("jitter must be in [0, 1)")
-        if min(self.overload_max_wait_ms, self.reconnect_initial_ms, self.reconnect_max_ms) < 0:
-            raise ValueError("waits must be >= 0")
-        if self.reconnect_timeout_s <= 0 or self.max_buffered_chars < 1:
-            raise ValueError("reconnect_timeout_s and max_buffered_chars must be positive")
-
-    def jittered_ms(self, ms: float, rnd: random.Random) -> float:
-        return max(0.0, ms * (1.0 + self.jitter * (2.0 * rnd.random() - 1.0)))
-
-    def backoff_ms(self, attempt: int, rnd: random.Random) -> float:
-        """Wait before reconnect attempt ``attempt`` (1-based)."""
-        base = min(self.reconnect_max_ms, self.reconnect_initial_ms * 2.0 ** max(0, attempt - 1))
-        return self.jittered_ms(base, rnd)
-
-
-NO_RETRY = RetryPolicy(overload_attempts=1, reconnect=False)
-"""A client that neither retries nor reconnects."""
 
 
 @dataclass(frozen=True)
@@ -255,118 +213,18 @@ class AudioChunk:
         return len(self.pcm) // 2
 
 
-@dataclass
-class UtteranceStats:
-    utterance_id: int | None = None
-    status: str = "pending"
-    """ok | error | cancelled | empty | pending"""
-    error: str | None = None
-    ttfa_ms: float | None = None
-    """First text sent -> first audio frame received."""
-    play_start_ms: float | None = None
-    """First text sent -> playback started (realtime/speakers modes)."""
-    samples: int = 0
-    """Samples received."""
-    server_samples: int | None = None
-    """Samples the server says it sent (``utterance.done``)."""
-    sample_rate_hz: int = 24_000
-    underruns: int = 0
-    cancelled: bool = False
-    heard_text: str | None = None
-    segments: list[str] = field(default_factory=list)
-    wall_ms: float | None = None
-    """First text sent -> all audio received."""
-    chunks_dropped: int = 0
-    attempts: int = 1
-    """Times the utterance was sent (overload retries add one each)."""
-    resumes: int = 0
-    """Times it was sent again after a reconnect."""
-    gap_ms: float = 0.0
-    """Silence the listener heard inside it because of reconnects."""
-    plays: list[SegmentPlay] = field(default_factory=list)
-    """Per segment and take (one per sending): samples received and played (realtime/speakers:
-    played out; instant: taken from ``speak()``; none: received)."""
-
-    def heard_whole(self) -> list[int]:
-        """Segment indexes in the order their audio was played through, each take once."""
-        return [p.segment for p in self.plays if p.complete and p.played >= p.samples]
-
-    @property
-    def duration_ms(self) -> float:
-        return self.samples * 1000.0 / self.sample_rate_hz
-
-    def __str__(self) -> str:
-        ttfa = f"{self.ttfa_ms:.0f} ms" if self.ttfa_ms is not None else "-"
-        wall = f", received in {self.wall_ms:.0f} ms" if self.wall_ms is not None else ""
-        extra = f", error {self.error}" if self.error else ""
-        extra += ", cancelled" if self.cancelled else ""
-        return (
-            f"{self.status}: {self.duration_ms / 1000:.2f} s of audio ({self.samples} samples at "
-            f"{self.sample_rate_hz} Hz), TTFA {ttfa}{wall}, {len(self.segments)} segments, "
-            f"{self.underruns} underruns{extra}"
-        )
-
-
-@dataclass
-class SegmentPlay:
-    """One take of one segment: its audio as one sending delivered it."""
-
-    segment: int
-    take: int
-    text: str = ""
-    samples: int = 0
-    """Samples received in this take."""
-    played: int = 0
-    complete: bool = False
-    """The server said the segment's audio is all sent (``segment.done``) in this take."""
-
-
-@dataclass
-class _Seg:
-    """A segment of an utterance in utterance coordinates (chars and samples from its start)."""
-
-    start_char: int
-    end_char: int
-    sample_offset: int
-    play: SegmentPlay
-    done: bool = False
-    pos: int | None = None
-    """Playout position of its first sample (realtime/speakers)."""
-
-
 _END = object()
 
 
-class Utterance:
-    """One spoken utterance: async-iterate it for audio chunks; ``stats`` when done."""
+class Utterance(core.UtteranceState):
+    """One spoken utterance: async-iterate it for audio chunks; ``stats`` when done. Its
+    protocol state and transitions are ``core.UtteranceState``'s; this adds the audio queue,
+    the waits and the times."""
 
     def __init__(self, client: Client, local_id: str) -> None:
+        super().__init__(local_id, client.sample_rate_hz)
         self._client = client
-        self.local_id = local_id
-        self.id: int | None = None
-        """The server's id of the current sending."""
-        self.stats = UtteranceStats(sample_rate_hz=client.sample_rate_hz)
-        self.text = ""
-        """All text the application gave it."""
-        self.base_char = 0
-        """Where in ``text`` the current sending starts (a resume starts past heard segments)."""
-        self.sent = 0
-        """Chars of ``text`` sent in the current sending (absolute)."""
-        self.end_requested = False
-        self.end_sent = False
-        self.parked = False
-        """Its text is kept, not sent (outage, overload wait) until it is sent again."""
-        self.sent_any = False
-        self.resume_note = False
-        self.retrying = False
-        """Refused for overload: the old sending's ``utterance.done`` is not the end."""
-        self.seg_base = 0
-        """Segment index / sample offset of the current sending's first segment."""
-        self.sample_base = 0
-        self.take = 0
-        self.segs: dict[int, _Seg] = {}
         self.pump_lock = asyncio.Lock()
-        self.cancelling = False
         self.t_first_text: float | None = None
         self.t_first_audio: float | None = None
         self.end_pos: int | None = None
@@ -381,10 +239,6 @@ class Utterance:
         """Playback finished (or there is no playback to wait for)."""
         self.failure: VoicegwError | None = None
         self.sender: asyncio.Task[None] | None = None
-
-    @property
-    def chars(self) -> int:
-        return len(self.text)
 
     # -- producer side (client internals)
 
@@ -414,6 +268,7 @@ class Utterance:
         self._queue.append(_END)
         self._wake.set()
         self.done.set()
+        self.finished = True
 
     # -- consumer side
 
@@ -519,9 +374,12 @@ class Client:
         self.reports_sent = 0
         self.output_latency_ms = 0.0
         self._rnd = random.Random()
-        self._utterances: list[Utterance] = []
-        self._by_id: dict[int, Utterance] = {}
-        self._max_id = 0
+        self._core: core.ClientCore[Utterance] = core.ClientCore(self.retry, self._rnd)
+        """The session's protocol state and decisions (sans I/O); this class carries them out."""
+        self._reg = self._core.registry
+        self._utterances = self._reg.items
+        """Unfinished utterances, in order (``core.Registry``)."""
+        self._by_id = self._reg.by_id
         self._local_seq = 0
         self._open: Utterance | None = None
         self._send_lock = asyncio.Lock()
@@ -532,8 +390,8 @@ class Client:
         self._tasks: list[asyncio.Task[Any]] = []
         self._lock = threading.Lock()  # playout + speaker FIFO + spans (the sound card thread uses them)
         self._fifo = bytearray()  # speakers mode: PCM waiting for the sound card
-        self._spans: deque[list[Any]] = deque()
-        """[SegmentPlay, samples] in playout order: which segment the buffered audio belongs to."""
+        self._ledger = core.PlayLedger()
+        """Which segment the buffered audio belongs to."""
         self._stream: Any = None
         self._last_report_s = 0.0
         self._last_instant_report = -1
@@ -569,13 +427,12 @@ class Client:
                 self.session = await self._open_session()
                 break
             except VoicegwError as exc:
-                if exc.detail.get("status") != 503 and exc.detail.get("code") != 1013:
+                act = core.connect_decision(self.retry, self._failure(exc), attempt=attempt, now_s=time.monotonic(),
+                                            deadline_s=deadline, rnd=self._rnd)
+                if not isinstance(act, core.Reconnect):
                     raise
-                wait_ms = self._wait_after(exc, attempt)
-                if not self.retry.reconnect or time.monotonic() + wait_ms / 1000.0 > deadline:
-                    raise
-                self._emit("reconnecting", attempt=attempt, wait_ms=round(wait_ms), error=str(exc))
-                await asyncio.sleep(wait_ms / 1000.0)
+                self._emit("reconnecting", attempt=attempt, wait_ms=round(act.wait_ms), error=str(exc))
+                await asyncio.sleep(act.wait_ms / 1000.0)
         self._start_playback()
         return self.session
 
@@ -680,12 +537,14 @@ class Client:
             except Exception:  # noqa: BLE001 - an application callback must not break the client
                 log.exception("on_event callback failed")
 
-    def _wait_after(self, exc: VoicegwError, attempt: int) -> float:
-        wait = self.retry.backoff_ms(attempt, self._rnd)
+    @staticmethod
+    def _failure(exc: VoicegwError) -> core.Failure:
+        """What the core is told of a failed connection attempt."""
+        code = exc.detail.get("code")
         hinted = exc.detail.get("retry_after_ms")
-        if isinstance(hinted, (int, float)):
-            wait = max(wait, self.retry.jittered_ms(float(hinted), self._rnd))
-        return wait
+        return core.Failure(status=exc.detail.get("status"), close_code=code if isinstance(code, int) else None,
+                            retry_after_ms=float(hinted) if isinstance(hinted, (int, float)) else None,
+                            error=str(exc))
 
     # ------------------------------------------------------------------ text in
 
@@ -742,7 +601,7 @@ class Client:
             with self._lock:
                 played = self.playout.cancel()
                 self._fifo.clear()
-                self._spans.clear()
+                self._ledger.clear()
         elif self.playback_mode == "instant":
             played = self.consumed_samples
         else:
@@ -812,7 +671,7 @@ class Client:
         self._local_seq += 1
         u = Utterance(self, f"u{self._local_seq}")
         u.parked = not self._link_up
-        self._utterances.append(u)
+        self._reg.add(u)
         return u
 
     async def _send(self, obj: dict[str, Any]) -> None:
@@ -848,20 +707,12 @@ class Client:
         async with u.pump_lock:
             try:
                 while not u.parked and self._link_up and not u.cancelling:
-                    if u.sent < u.chars:
-                        piece = u.text[u.sent:u.sent + _MAX_PIECE_CHARS]
-                        msg: dict[str, Any] = {"type": P.ClientType.TEXT_DELTA.value, "text": piece}
-                        if u.sent == u.base_char:
-                            msg["id"] = u.local_id
-                        u.sent += len(piece)
-                        u.sent_any = True
-                        await self._pace(len(piece))
-                        await self._send(msg)
-                    elif u.end_requested and not u.end_sent:
-                        u.end_sent = True
-                        await self._send({"type": P.ClientType.TEXT_END.value})
-                    else:
+                    msg = u.next_message()
+                    if msg is None:
                         return
+                    if "text" in msg:
+                        await self._pace(len(msg["text"]))
+                    await self._send(msg)
             except VoicegwError:
                 if not self._reconnecting():
                     raise
@@ -909,16 +760,7 @@ class Client:
     # ------------------------------------------------------------------ internals: receiving
 
     def _record(self, uid: int) -> Utterance | None:
-        u = self._by_id.get(uid)
-        if u is None and uid > self._max_id:
-            for cand in self._utterances:
-                if cand.id is None and not cand.parked and cand.sent > cand.base_char and not cand.done.is_set():
-                    cand.id = uid
-                    cand.stats.utterance_id = uid
-                    self._max_id = uid
-                    self._by_id[uid] = cand
-                    return cand
-        return u
+        return self._reg.record(uid)
 
     async def _reader(self, ws: ClientConnection, gen: int) -> None:
         self._stop_reading = False
@@ -971,9 +813,10 @@ class Client:
             if not fut.done():
                 fut.set_exception(err)
         self._pong_waiters.clear()
-        resumable = (not self.closed and self.retry.reconnect and self.session is not None
-                     and (code is None or code in _RESUMABLE_CLOSES))
-        if not resumable:
+        reconnector, acts = self._core.connection_lost(code, time.monotonic(), session_started=self.session is not None,
+                                                       closing=self.closed)
+        first = acts[-1]
+        if isinstance(first, core.Fail):
             self.closed = True
             while self._cancel_replies:
                 fut = self._cancel_replies.popleft()
@@ -988,105 +831,59 @@ class Client:
             fut = self._cancel_replies.popleft()
             if not fut.done():
                 fut.set_result({"type": P.ServerType.CANCELLED.value, "local": True, "cancelled_utterances": []})
-        self._plan_resume()
-        task = asyncio.create_task(self._reconnect(time.monotonic()), name="voicegw-client-reconnect")
+        assert isinstance(acts[0], core.Resumes) and isinstance(first, (core.Reconnect, core.GiveUp))
+        self._carry_out_resumes(acts[0])
+        task = asyncio.create_task(self._reconnect(reconnector, first), name="voicegw-client-reconnect")
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
-    def _plan_resume(self) -> None:
-        """Park every unfinished utterance at its first segment not wholly received; drop the
-        audio after that point from the playout (what is left plays on meanwhile)."""
-        keep: int | None = None
-        for u in self._utterances:
-            if u.done.is_set() and not u.retrying:
-                continue
-            u.parked = True
-            u.retrying = False
-            k = u.seg_base
-            while k in u.segs and u.segs[k].done:
-                k += 1
-            seg = u.segs.get(k)
-            if seg is not None:
-                char, sample = seg.start_char, seg.sample_offset
-                if seg.pos is not None and keep is None:
-                    keep = seg.pos
-            elif k - 1 in u.segs:
-                char, sample = u.segs[k - 1].end_char, u.segs[k - 1].sample_offset + u.segs[k - 1].play.samples
-            else:
-                char, sample = u.base_char, u.sample_base
-            for j in [j for j in u.segs if j >= k]:
-                del u.segs[j]
-            u._drop_queued(from_segment=k)
-            if u.id is not None:
-                self._by_id.pop(u.id, None)
-            u.id = None
-            u.base_char = u.sent = char
-            u.end_sent = False
-            u.seg_base, u.sample_base = k, sample
-            u.stats.samples = sample
-            u.stats.error = None
-            u.take += 1
-            if u.sent_any:
-                u.stats.resumes += 1
-                u.resume_note = True
+    def _carry_out_resumes(self, resumes: core.Resumes[Utterance]) -> None:
+        """The core parked every unfinished utterance at its first segment not wholly received:
+        drop the audio after that point from the queues and the playout (what is left plays on
+        meanwhile)."""
+        for u, plan in resumes.plans:
+            u._drop_queued(from_segment=plan.segment)
+        keep = resumes.keep
         if keep is not None and self.playback_mode in ("realtime", "speakers"):
             with self._lock:
                 dropped = self.playout.truncate(keep)
                 if self.playback_mode == "speakers":
                     del self._fifo[2 * self.playout.buffered:]
-                while dropped > 0 and self._spans:
-                    span = self._spans[-1]
-                    cut = min(dropped, span[1])
-                    span[1] -= cut
-                    span[0].samples -= cut
-                    dropped -= cut
-                    if span[1] == 0:
-                        self._spans.pop()
+                self._ledger.drop_tail(dropped)
 
-    async def _reconnect(self, t_drop: float) -> None:
-        deadline = t_drop + self.retry.reconnect_timeout_s
-        attempt = 0
-        last = ""
-        while not self.closed:
-            attempt += 1
-            wait_ms = self.retry.backoff_ms(attempt, self._rnd) if attempt > 1 else \
-                self.retry.jittered_ms(self.retry.reconnect_initial_ms, self._rnd)
-            if time.monotonic() + wait_ms / 1000.0 > deadline:
-                break
-            self._emit("reconnecting", attempt=attempt, wait_ms=round(wait_ms))
-            await asyncio.sleep(wait_ms / 1000.0)
+    async def _reconnect(self, rec: core.Reconnector, act: core.Reconnect | core.GiveUp) -> None:
+        """Carry out the core's reconnect decisions (``core.Reconnector``): wait, open, repeat."""
+        while not self.closed and isinstance(act, core.Reconnect):
+            self._emit("reconnecting", attempt=act.attempt, wait_ms=round(act.wait_ms))
+            await asyncio.sleep(max(0.0, act.at_s - time.monotonic()))
             try:
                 session = await self._open_session()
             except VoicegwError as exc:
-                last = str(exc)
-                if exc.detail.get("status") in _FINAL_HTTP:
-                    break
-                hinted = exc.detail.get("retry_after_ms")
-                if isinstance(hinted, (int, float)):  # the server asked for at least this long
-                    await asyncio.sleep(max(0.0, min(hinted / 1000.0, deadline - time.monotonic())))
+                act = rec.failed(self._failure(exc), time.monotonic())
                 continue
             self.session = session
             self.reconnects += 1
             t_up = time.monotonic()
+            up = rec.connected(t_up)
             o: dict[str, Any] = self._outage if self._outage is not None else {
                 "to_audio_ms": None, "gap_ms": None, "t_dry": None}
-            o.update(outage_ms=round((t_up - t_drop) * 1000.0), attempts=attempt, t_up=t_up)
+            o.update(outage_ms=up.outage_ms, attempts=up.attempts, t_up=t_up)
             self._outage = o
-            self._emit("reconnected", attempts=attempt, outage_ms=o["outage_ms"])
+            self._emit("reconnected", attempts=up.attempts, outage_ms=o["outage_ms"])
             await self._replay()
             return
         if self.closed:
             return
         self.closed = True
-        self._emit("gave_up", attempts=attempt, error=last)
+        last = rec.last_error
+        self._emit("gave_up", attempts=rec.attempt, error=last)
         self._fail_all(VoicegwError("closed", f"could not reconnect within {self.retry.reconnect_timeout_s:g} s"
                                     + (f" ({last})" if last else "")), keep_received=True)
 
     async def _replay(self) -> None:
         """A new session is up: its ids and played counter start afresh; send the parked
         utterances again in order."""
-        self._by_id.clear()
-        self._max_id = 0
+        self._reg.new_session()
         with self._lock:
             if self.playback_mode in ("realtime", "speakers"):
                 self._played_base = self.playout.played + self.playout.buffered
@@ -1147,7 +944,7 @@ class Client:
 
             payload = mulaw_decode(payload).astype("<i2").tobytes()
         self.received_samples += n
-        seg: _Seg | None = None
+        seg: Segment | None = None
         if u is not None:
             segment = header.segment + u.seg_base
             if u.t_first_audio is None:
@@ -1155,11 +952,7 @@ class Client:
                 u.underruns_at_start = self.playout.underruns
                 if u.t_first_text is not None:
                     u.stats.ttfa_ms = (u.t_first_audio - u.t_first_text) * 1000.0
-            seg = u.segs.get(segment)
-            if seg is None:  # no segment.started seen (a server that skips it): still accounted
-                seg = self._new_seg(u, segment, "", 0, 0, header.sample_offset + u.sample_base)
-            seg.play.samples += n
-            u.stats.samples += n
+            seg = u.on_audio(header.segment, header.sample_offset, n)
             if queue:
                 u._put(AudioChunk(utterance_id=header.utterance_id, segment=segment, seq=header.seq,
                                   sample_offset=header.sample_offset + u.sample_base, pcm=payload,
@@ -1179,10 +972,7 @@ class Client:
                 if seg is not None:
                     if seg.pos is None:
                         seg.pos = self.playout.written
-                    if self._spans and self._spans[-1][0] is seg.play:
-                        self._spans[-1][1] += n
-                    else:
-                        self._spans.append([seg.play, n])
+                    self._ledger.pushed(seg.play, n)
                 self.playout.push(n)
                 if mode == "speakers":
                     self._fifo += payload
@@ -1219,125 +1009,74 @@ class Client:
         if isinstance(uid, int):
             u = self._record(uid)
         elif msg.get("id") is not None and mtype == P.ServerType.ERROR:
-            u = next((x for x in self._utterances if x.local_id == msg["id"] and x.id is None), None)
+            u = self._reg.opening(msg["id"])
         self._notify(fn, u, msg, t)
-
-    def _new_seg(self, u: Utterance, index: int, text: str, start_char: int, end_char: int,
-                 sample_offset: int) -> _Seg:
-        play = SegmentPlay(segment=index, take=u.take, text=text)
-        u.stats.plays.append(play)
-        seg = _Seg(start_char, end_char, sample_offset, play)
-        u.segs[index] = seg
-        return seg
 
     async def _on_message(self, msg: dict[str, Any], t_rcvd: float = 0.0) -> None:
         t = msg.get("type")
         if self.recorder is not None:
             self._record_message(t, msg, t_rcvd)
-        if t == P.ServerType.SESSION_STARTED:
-            if self._session_waiter is not None and not self._session_waiter.done():
-                self._session_waiter.set_result(msg)
-        elif t == P.ServerType.SEGMENT_STARTED:
-            u = self._record(int(msg["utterance_id"]))
-            if u is not None and not self._cancel_replies:
-                text = str(msg.get("text", ""))
-                index = u.seg_base + int(msg.get("segment", 0))
-                del u.stats.segments[index:]  # a resumed sending tells its segments again
-                u.stats.segments.append(text)
-                seg = u.segs.get(index)
-                start = u.base_char + int(msg.get("start_char", 0))
-                end = u.base_char + int(msg.get("end_char", 0))
-                offset = u.sample_base + int(msg.get("sample_offset", 0))
-                if seg is None:
-                    self._new_seg(u, index, text, start, end, offset)
-                else:
-                    seg.start_char, seg.end_char, seg.play.text = start, end, text
-        elif t == P.ServerType.SEGMENT_DONE:
-            u = self._record(int(msg["utterance_id"]))
-            if u is not None:
-                seg = u.segs.get(u.seg_base + int(msg.get("segment", 0)))
-                if seg is not None:
-                    seg.done = seg.play.complete = True
-        elif t == P.ServerType.UTTERANCE_DONE:
-            u = self._record(int(msg["utterance_id"]))
-            if u is not None and u.retrying:
-                self._by_id.pop(int(msg["utterance_id"]), None)  # the refused sending ended
-            elif u is not None and not u.done.is_set():
-                u.stats.server_samples = u.sample_base + int(msg.get("samples", 0))
-                if u.t_first_text is not None:
-                    u.stats.wall_ms = (time.perf_counter() - u.t_first_text) * 1000.0
-                failure = None
-                if msg.get("status") != P.UtteranceStatus.OK:
-                    u.stats.error = str(msg.get("error") or u.stats.error or "error")
-                    failure = UtteranceFailed(u.stats.error, "utterance failed", msg)
-                with self._lock:
-                    self.playout.end()
-                    u.end_pos = self.playout.written
-                u._finish(failure)
-                self._check_played()
-        elif t == P.ServerType.CANCELLED:
-            self._on_cancelled(msg)
-            if self._cancel_replies:
-                waiter = self._cancel_replies.popleft()
-                if not waiter.done():
-                    waiter.set_result(msg)
-        elif t == P.ServerType.ERROR:
+        if t == P.ServerType.ERROR:
             self.errors.append(msg)
             log.info("gateway error %s: %s", msg.get("code"), msg.get("message"))
-            code = str(msg.get("code"))
-            if msg.get("utterance_id") is not None:
-                u = self._record(int(msg["utterance_id"]))
-                if u is not None:
-                    u.stats.error = code
-                    if code == P.ErrorCode.ENGINE_OVERLOADED:
-                        self._maybe_retry(u, msg)
-            elif msg.get("id") is not None:
-                u2 = next((x for x in self._utterances if x.local_id == msg["id"] and x.id is None), None)
-                if u2 is not None and u2.stats.samples == 0:
-                    # the opening delta was refused: this utterance never opened on the server
-                    u2.text = ""
-                    u2.sent = u2.base_char = 0
-                    u2.cancelling = True  # its sender stops
-                    if self._open is u2:
-                        self._open = None
-                    u2.stats.error = code
-                    u2._finish(VoicegwError(code, str(msg.get("message", "")), msg))
-                    u2.played.set()
-                    self._forget(u2)
-            if msg.get("fatal") and self._session_waiter is not None and not self._session_waiter.done():
-                self._session_waiter.set_exception(VoicegwError(code, str(msg.get("message", "")), msg))
-        elif t == P.ServerType.PONG:
-            fut = self._pong_waiters.pop(str(msg.get("id")), None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
+        for ev in self._core.receive(msg, time.monotonic(), dropping_audio=bool(self._cancel_replies),
+                                     closing=self.closed):
+            self._carry_out(ev)
 
-    def _on_cancelled(self, msg: dict[str, Any]) -> None:
-        ids = set(msg.get("cancelled_utterances") or [])
-        if msg.get("utterance_id") is not None:
-            ids.add(msg["utterance_id"])
-        for u in list(self._utterances):
-            if u.cancelling or (u.id is not None and u.id in ids):
-                u.stats.cancelled = True
-                u.stats.status = "cancelled"
-                if u.id is not None and u.id == msg.get("utterance_id"):
-                    u.stats.heard_text = msg.get("heard_text")
+    def _carry_out(self, ev: core.Event[Utterance]) -> None:
+        """Do what the core decided on a message."""
+        if isinstance(ev, core.SessionReady):
+            if self._session_waiter is not None and not self._session_waiter.done():
+                self._session_waiter.set_result(dict(ev.msg))
+        elif isinstance(ev, core.Finished):
+            u = ev.u
+            if u.t_first_text is not None:
+                u.stats.wall_ms = (time.perf_counter() - u.t_first_text) * 1000.0
+            failure = UtteranceFailed(ev.error, "utterance failed", dict(ev.msg)) if ev.error is not None else None
+            with self._lock:
+                self.playout.end()
+                u.end_pos = self.playout.written
+            u._finish(failure)
+            self._check_played()
+        elif isinstance(ev, core.CancelledUtterances):
+            for u in ev.utterances:
                 u._finish()
                 u.played.set()
                 self._forget(u)
+            if self._cancel_replies:
+                waiter = self._cancel_replies.popleft()
+                if not waiter.done():
+                    waiter.set_result(dict(ev.msg))
+        elif isinstance(ev, core.RetryUtterance):
+            self._retry(ev.u, ev.retry)
+        elif isinstance(ev, core.Refused):
+            if self._open is ev.u:
+                self._open = None
+            ev.u._finish(VoicegwError(ev.code, ev.message, dict(ev.msg)))
+            ev.u.played.set()
+        elif isinstance(ev, core.FatalError):
+            if self._session_waiter is not None and not self._session_waiter.done():
+                self._session_waiter.set_exception(VoicegwError(ev.code, ev.message, dict(ev.msg)))
+        elif isinstance(ev, core.Pong):
+            fut = self._pong_waiters.pop(str(ev.msg.get("id")), None)
+            if fut is not None and not fut.done():
+                fut.set_result(dict(ev.msg))
+
+    def _on_cancelled(self, msg: dict[str, Any]) -> None:
+        """A ``cancelled`` (the server's, or a local one while reconnecting)."""
+        for u in self._core.cancelled(msg).utterances:
+            u._finish()
+            u.played.set()
+            self._forget(u)
 
     # ------------------------------------------------------------------ internals: overload retry
 
-    def _maybe_retry(self, u: Utterance, msg: dict[str, Any]) -> None:
-        """``engine_overloaded`` before any audio: park the text, end the refused sending (the
-        server absorbs its text until ``text.end``) and send it again after the hinted wait."""
-        if u.stats.samples > 0 or u.stats.attempts >= self.retry.overload_attempts or u.cancelling or self.closed:
-            return
-        hinted = msg.get("retry_after_ms")
-        base = float(hinted) if isinstance(hinted, (int, float)) else self.retry.reconnect_initial_ms
-        wait_ms = min(self.retry.overload_max_wait_ms, self.retry.jittered_ms(base, self._rnd))
-        u.parked = True
-        u.retrying = True
-        self._emit("retry", utterance=u.local_id, attempt=u.stats.attempts + 1, wait_ms=round(wait_ms))
+    def _retry(self, u: Utterance, act: core.Retry) -> None:
+        """``engine_overloaded`` before any audio (``core.overload_decision``; the core parked
+        ``u``): end the refused sending (the server absorbs its text until ``text.end``) and send
+        it again after the hinted wait."""
+        wait_ms = act.wait_ms
+        self._emit("retry", utterance=u.local_id, attempt=act.attempt, wait_ms=round(wait_ms))
         task = asyncio.create_task(self._retry_later(u, wait_ms), name=f"voicegw-retry {u.local_id}")
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
@@ -1351,35 +1090,18 @@ class Client:
         await asyncio.sleep(wait_ms / 1000.0)
         if u.cancelling or self.closed or not u.retrying or not self._link_up:
             return  # cancelled, or a reconnect took it over
-        u.stats.attempts += 1
-        u.stats.error = None
-        u.retrying = False
-        u.id = None
-        u.base_char = u.sent = 0
-        u.end_sent = False
-        u.take += 1
-        u.parked = False
+        u.restart_for_retry()
         with contextlib.suppress(VoicegwError):
             await self._pump(u)
 
     def _forget(self, u: Utterance) -> None:
-        with contextlib.suppress(ValueError):
-            self._utterances.remove(u)
-        if u.id is not None:
-            self._by_id.pop(u.id, None)
+        self._reg.forget(u)
 
     # ------------------------------------------------------------------ internals: playback
 
     def _credit(self, k: int) -> None:
         """``k`` samples were played: credit them to their segments (caller holds ``_lock``)."""
-        while k > 0 and self._spans:
-            span = self._spans[0]
-            take = min(k, span[1])
-            span[0].played += take
-            span[1] -= take
-            k -= take
-            if span[1] == 0:
-                self._spans.popleft()
+        self._ledger.credit(k)
 
     def _on_consumed(self, n: int, segment: int, u: Utterance) -> None:
         self.consumed_samples += n

@@ -15,9 +15,14 @@
 //   {type: "started", playedSamples, contextTime}   playback (re)started after a prebuffer
 //   {type: "underrun", underruns, targetMs}
 //
+// The buffer's decisions (prebuffer, underrun and target raise, drain, cancel, truncate) are
+// playout-rules.js's, the same as clients/python/playout.py (clients/scenarios.json checks both).
+//
 // Counting is in samples of the stream (the gateway's rate), not of the AudioContext: with a
 // context at another rate, a linear resampler runs here and playedSamples still counts stream
 // samples. playedSamples counts real audio only (not underrun silence, not cancelled audio).
+
+import { cancelled, ended, pushed, starved, startIfReady, truncated } from "./playout-rules.js";
 
 const HEADER_BYTES = 16; // gateway/protocol.py AUDIO_HEADER_BYTES (checked by tests/browser)
 const FORMAT_PCM16 = 0;
@@ -81,24 +86,16 @@ class VoicegwPlayer extends AudioWorkletProcessor {
     }
     switch (msg && msg.type) {
       case "end":
-        this.endMark = this.written;
-        if (this.state === "idle" && this.written > this.read) this.state = "prebuffering";
+        ended(this);
         break;
       case "cancel":
-        this.read = this.written;
+        cancelled(this);
         this.frac = 0;
-        this.endMark = this.written;
-        this.state = "idle";
         this.port.postMessage({ ...this.report(false), type: "cancelled", id: msg.id });
         break;
       case "truncate": {
-        const keep = Math.max(this.read, Math.min(this.written, msg.keep));
-        this.written = keep;
-        this.endMark = keep;
-        if (this.written <= this.read) {
-          this.frac = 0;
-          this.state = "idle";
-        }
+        truncated(this, msg.keep);
+        if (this.written <= this.read) this.frac = 0;
         this.port.postMessage({ ...this.report(false), type: "truncated", id: msg.id });
         break;
       }
@@ -141,7 +138,7 @@ class VoicegwPlayer extends AudioWorkletProcessor {
       for (let i = 0; i < n; i++) ring[(w + i) & mask] = src[i] / 32768;
     }
     this.written = w + n;
-    if (this.state === "idle") this.state = "prebuffering";
+    pushed(this);
   }
 
   ensureCapacity(needed) {
@@ -181,16 +178,12 @@ class VoicegwPlayer extends AudioWorkletProcessor {
 
   // Called when the ring cannot feed the next output sample.
   starve() {
-    if (this.read >= this.endMark && this.written === this.endMark) {
+    if (starved(this) === "drained") {
       // the utterance ended exactly here: a clean drain
-      this.state = "idle";
       this.frac = 0;
       this.port.postMessage(this.report(true));
       this.sinceReport = 0;
     } else {
-      this.underruns++;
-      this.targetMs = Math.min(this.maxTargetMs, this.targetMs + this.stepMs);
-      this.state = "prebuffering";
       this.port.postMessage({
         type: "underrun",
         underruns: this.underruns,
@@ -206,13 +199,8 @@ class VoicegwPlayer extends AudioWorkletProcessor {
     const ch0 = out[0];
     const frames = ch0.length;
     let i = 0;
-    if (this.state === "prebuffering") {
-      const avail = this.written - this.read;
-      const complete = this.endMark >= this.written; // everything up to an "end" is here
-      if (avail > 0 && ((avail * 1000) / this.streamRate >= this.targetMs || complete)) {
-        this.state = "playing";
-        this.port.postMessage({ type: "started", playedSamples: this.played, contextTime: currentTime });
-      }
+    if (startIfReady(this)) {
+      this.port.postMessage({ type: "started", playedSamples: this.played, contextTime: currentTime });
     }
     if (this.state === "playing") {
       const ring = this.ring;

@@ -11,18 +11,23 @@
 // underrun, utterancedone, drained, cancelled, error, close; and, riding out a bad minute
 // (opts.retry): retry, disconnected, reconnecting, reconnected, resumed, audioresumed, gaveup.
 //
+// The decisions are client-core.js's (the same as the Python client's clients/python/core.py;
+// clients/scenarios.json checks both); this module carries them out.
 // Overload: an utterance refused with engine_overloaded before any of its audio arrived is sent
-// again after the server's retry_after_ms (jittered, capped), up to retry.overloadAttempts in all.
+// again after the server's retry_after_ms (jittered, capped), up to retry.overloadAttempts in all;
+// any other error about an utterance is a final refusal (not retried).
 // Dropped connection (1006, 1011, 1012, 1013): reconnect with exponential backoff and jitter for
 // up to retry.reconnectTimeoutMs, a new session with the same settings, and every unfinished
 // utterance is sent again from its first segment not wholly received (the segments received play
 // on from the buffer meanwhile; the rest of the interrupted one is dropped). Text given meanwhile
 // is kept (retry.maxBufferedChars) and sent after. A browser cannot see why a handshake failed
-// (401 and 503 look alike), so every failed attempt is retried until the deadline.
+// (401 and 503 look alike): such attempts are retried until the deadline; a socket that opens and
+// is closed with a do-not-retry code (1002, 1007, 1008, 1009) ends the reconnecting.
 
+import { DEFAULT_RETRY, Reconnector, overloadDecision, planResume } from "./client-core.js";
 import { PROTOCOL } from "./protocol.js";
 
-export { PROTOCOL };
+export { DEFAULT_RETRY, PROTOCOL };
 
 const T = Object.fromEntries(Object.entries(PROTOCOL.client_types));
 const S = Object.fromEntries(Object.entries(PROTOCOL.server_types));
@@ -32,21 +37,6 @@ const HEADER_BYTES = PROTOCOL.audio_header.bytes;
 const TOKEN_CHARS = /^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$/;
 const CANCEL_ACK_TIMEOUT_MS = 50;
 const MAX_PIECE_CHARS = 4000;
-const RESUMABLE_CLOSES = new Set([1006, 1011, 1012, 1013]);
-
-/** Defaults of opts.retry (docs/clients.md). */
-export const DEFAULT_RETRY = Object.freeze({
-  overloadAttempts: 3, // attempts in all for an utterance refused before any of its audio
-  overloadMaxWaitMs: 5000, // cap on one overload wait (the server's retry_after_ms, jittered)
-  reconnect: true, // reconnect and resume after a dropped connection
-  reconnectInitialMs: 250, // first backoff wait, doubling per failed attempt
-  reconnectMaxMs: 5000, // cap on one backoff wait
-  reconnectTimeoutMs: 60000, // give up this long after the drop
-  jitter: 0.2, // each wait times a random factor in [1 - jitter, 1 + jitter]
-  maxBufferedChars: 20000, // text kept per utterance while it cannot be sent
-});
-
-const jittered = (ms, jitter) => Math.max(0, ms * (1 + jitter * (2 * Math.random() - 1)));
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 export class VoicegwError extends Error {
@@ -181,7 +171,7 @@ export class VoiceGateway extends EventTarget {
     await new Promise((resolve, reject) => {
       ws.onopen = resolve;
       ws.onerror = () => reject(new VoicegwError("connect_failed", `cannot connect to ${this.url}`));
-      ws.onclose = (e) => reject(new VoicegwError("connect_failed", `closed ${e.code} ${e.reason}`));
+      ws.onclose = (e) => reject(new VoicegwError("connect_failed", `closed ${e.code} ${e.reason}`, { code: e.code }));
     });
     const started = new Promise((resolve, reject) => (this._sessionWaiter = { resolve, reject }));
     ws.onmessage = (e) => this._onMessage(e.data);
@@ -537,7 +527,7 @@ export class VoiceGateway extends EventTarget {
           u.text = "";
           u.sent = u.baseChar = 0;
           this._settle(u, null, new VoicegwError(msg.code, msg.message, msg));
-        } else if (u && msg.code === E.ENGINE_OVERLOADED) {
+        } else if (u && msg.utterance_id != null) {
           this._maybeRetry(u, msg);
         }
         if (msg.fatal && this._sessionWaiter) {
@@ -716,13 +706,16 @@ export class VoiceGateway extends EventTarget {
 
   _onClose(e) {
     this._linkUp = false;
-    if (!this.closed && this.retry.reconnect && this.session && RESUMABLE_CLOSES.has(e.code)) {
+    const rec = new Reconnector(this.retry);
+    const now = performance.now();
+    const first = rec.lost(e.code, now, { sessionStarted: !!this.session, closing: this.closed });
+    if (first.action !== "fail") {
       this._emit("disconnected", { code: e.code, reason: e.reason });
       for (const resolve of this._cancelReplies.splice(0)) resolve({ type: S.CANCELLED, local: true });
       this._hold = null;
-      this._outage = { tDrop: performance.now(), tUp: null, tDry: null, attempts: 0 };
+      this._outage = { tDrop: now, tUp: null, tDry: null, attempts: 0 };
       this._planResume();
-      this._reconnect().catch(() => {});
+      this._reconnect(rec, first).catch(() => {});
       return;
     }
     this.closed = true;
@@ -742,17 +735,26 @@ export class VoiceGateway extends EventTarget {
 
   // ------------------------------------------------------------------ retry and resume
 
+  /** An error about `u` (overloadDecision): a final refusal, or audio already received, fails it
+   * (its utterance.done reports it); engine_overloaded before any audio parks the text, ends the
+   * refused sending and sends it again after the hinted wait. */
   _maybeRetry(u, msg) {
-    if (u.received > 0 || u.attempts >= this.retry.overloadAttempts || u.settled || this.closed) return;
-    const base = typeof msg.retry_after_ms === "number" ? msg.retry_after_ms : this.retry.reconnectInitialMs;
-    const waitMs = Math.min(this.retry.overloadMaxWaitMs, jittered(base, this.retry.jitter));
+    const now = performance.now();
+    const act = overloadDecision(this.retry, msg, {
+      attempts: u.attempts,
+      receivedSamples: u.received,
+      nowMs: now,
+      cancelled: u.settled || u.cancelling || this.closed,
+    });
+    if (act.action !== "retry") return;
+    const waitMs = act.wait_ms;
     u.parked = true;
     u.retrying = true;
     if (!u.endSent) {
       u.endSent = true;
       this._send({ type: T.TEXT_END }); // ends the refused sending (the server absorbs its text until then)
     }
-    this._emit("retry", { localId: u.localId, attempt: u.attempts + 1, waitMs: Math.round(waitMs) });
+    this._emit("retry", { localId: u.localId, attempt: act.attempt, waitMs: Math.round(waitMs) });
     setTimeout(() => {
       if (u.settled || !u.retrying || !this._linkUp || this.closed) return; // a reconnect took it over
       u.attempts += 1;
@@ -764,7 +766,7 @@ export class VoiceGateway extends EventTarget {
       u.take += 1;
       u.parked = false;
       this._pump(u);
-    }, waitMs);
+    }, Math.max(0, act.at_ms - performance.now()));
   }
 
   /** Park every unfinished utterance at its first segment not wholly received; drop the audio
@@ -775,23 +777,11 @@ export class VoiceGateway extends EventTarget {
       if (u.settled || (u.done && !u.retrying)) continue;
       u.parked = true;
       u.retrying = false;
-      let k = u.segBase;
-      while (u.segs.has(k) && u.segs.get(k).done) k++;
-      const seg = u.segs.get(k);
-      const prev = u.segs.get(k - 1);
-      let char;
-      let sample;
-      if (seg) {
-        char = seg.startChar;
-        sample = seg.sampleOffset;
-        if (seg.pos != null && keep == null) keep = seg.pos;
-      } else if (prev) {
-        char = prev.endChar;
-        sample = prev.sampleOffset + prev.play.samples;
-      } else {
-        char = u.baseChar;
-        sample = u.sampleBase;
-      }
+      const plan = planResume(u.segs, { segBase: u.segBase, baseChar: u.baseChar, sampleBase: u.sampleBase });
+      const k = plan.segment;
+      const char = plan.char;
+      const sample = plan.sample;
+      if (keep == null) keep = plan.keep;
       for (const j of [...u.segs.keys()]) if (j >= k) u.segs.delete(j);
       if (u.id != null) this._byId.delete(u.id);
       u.id = null;
@@ -814,35 +804,39 @@ export class VoiceGateway extends EventTarget {
     }
   }
 
-  async _reconnect() {
+  /** Carry out the Reconnector's decisions: wait, open, repeat; give up when it says so. */
+  async _reconnect(rec, first) {
     const o = this._outage;
-    const deadline = o.tDrop + this.retry.reconnectTimeoutMs;
-    let attempt = 0;
-    while (!this.closed) {
-      attempt += 1;
-      const base = Math.min(this.retry.reconnectMaxMs, this.retry.reconnectInitialMs * 2 ** (attempt - 1));
-      const waitMs = jittered(base, this.retry.jitter);
-      if (performance.now() + waitMs > deadline) break;
-      this._emit("reconnecting", { attempt, waitMs: Math.round(waitMs) });
-      await sleep(waitMs);
+    let act = first;
+    while (!this.closed && act.action === "reconnect") {
+      this._emit("reconnecting", { attempt: act.attempt, waitMs: Math.round(act.wait_ms) });
+      await sleep(Math.max(0, act.at_ms - performance.now()));
       if (this.closed) return;
       try {
         await this._openSession();
-      } catch {
+      } catch (err) {
+        const code = err && err.detail ? err.detail.code : null;
+        act = rec.failed({ close_code: typeof code === "number" ? code : null, error: String(err && err.message) }, performance.now());
         continue;
       }
       this.reconnects += 1;
       o.tUp = performance.now();
-      o.attempts = attempt;
-      this._emit("reconnected", { attempts: attempt, outageMs: Math.round(o.tUp - o.tDrop) });
+      const up = rec.connected(o.tUp);
+      o.attempts = up.attempts;
+      this._emit("reconnected", { attempts: up.attempts, outageMs: up.outage_ms });
       await this._replay();
       return;
     }
     if (this.closed) return;
     this.closed = true;
     this._outage = null;
-    this._emit("gaveup", { attempts: attempt });
-    const err = new VoicegwError("closed", `could not reconnect within ${this.retry.reconnectTimeoutMs} ms`);
+    this._emit("gaveup", { attempts: act.attempts, reason: act.reason, error: rec.lastError });
+    const err = new VoicegwError(
+      "closed",
+      act.reason === "final"
+        ? `reconnect refused (${rec.lastError})`
+        : `could not reconnect within ${this.retry.reconnectTimeoutMs} ms`,
+    );
     for (const u of this._utterances.slice()) {
       if (u.done && this.node) continue;
       this._settle(u, null, err);
