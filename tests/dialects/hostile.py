@@ -158,6 +158,12 @@ def exchange(port: int, data: bytes, *, read_s: float = 5.0, chunks: list[bytes]
         err = type(exc).__name__
     finally:
         s.close()
+    return parse_answer(buf, err)
+
+
+def parse_answer(buf: bytes, err: str, *, dechunked: bool = False) -> Answer:
+    """The status line, headers and body of the bytes an HTTP server answered (``dechunked``: a
+    chunked body decoded)."""
     head, _, body = buf.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     try:
@@ -168,6 +174,8 @@ def exchange(port: int, data: bytes, *, read_s: float = 5.0, chunks: list[bytes]
     for line in lines[1:]:
         k, _, v = line.partition(":")
         headers[k.strip().lower()] = v.strip()
+    if dechunked and headers.get("transfer-encoding") == "chunked":
+        body = dechunk(body)
     return Answer(status, headers, body, err)
 
 

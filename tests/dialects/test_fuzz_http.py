@@ -157,25 +157,9 @@ def _send(port: int, data: bytes, *, half_close: bool = True, read_s: float = 5.
         err = type(exc).__name__
     finally:
         s.close()
-    return _parse(buf, err)
+    from tests.dialects.hostile import parse_answer
 
-
-def _parse(buf: bytes, err: str) -> Answer:
-    head, _, body = buf.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    try:
-        status: int | None = int(lines[0].split(" ")[1])
-    except (IndexError, ValueError):
-        return Answer(None, {}, buf, err or "no status line")
-    headers = {}
-    for line in lines[1:]:
-        k, _, v = line.partition(":")
-        headers[k.strip().lower()] = v.strip()
-    if headers.get("transfer-encoding") == "chunked":
-        from tests.dialects.hostile import dechunk
-
-        body = dechunk(body)
-    return Answer(status, headers, body, err)
+    return parse_answer(buf, err, dechunked=True)
 
 
 def _check(gw: ThreadedGateway, surface: str, path: str, a: Answer, statuses: frozenset[int], req: bytes) -> None:
