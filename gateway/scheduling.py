@@ -1,6 +1,6 @@
 """Admission: the gateway's one scheduling decision, whether a new utterance may start now.
 
-Pure policy: no asyncio, no sockets, no torch. The gateway's dispatch (``gateway/dispatch.py``)
+Pure policy: no asyncio, no sockets, no torch. Its I/O-edge shell (``gateway/admission.py``)
 feeds it numbers (engine load, step times, segment lengths) and acts on what it returns. The
 engine itself schedules first come, first served (vLLM's default ``fcfs``): the gateway sets no
 request priorities (deadline priorities, vLLM ``scheduling_policy="priority"``, lost to FCFS:

@@ -41,8 +41,8 @@ from websockets.typing import Subprotocol
 from engine.api import EngineError, EngineErrorKind, EngineOverloaded, SpeechEngine, SpeechRequest
 from gateway import dialects
 from gateway import protocol as P
+from gateway.admission import EngineScheduler
 from gateway.config import GatewaySettings
-from gateway.dispatch import EngineScheduler
 from gateway.flow import WaterMarks
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from gateway.dispatch import EngineScheduler
+from gateway.admission import EngineScheduler
 from gateway.server import GatewayServer
 from loadtest.fakes import FakeSpeechEngine
 from tests.gateway.conftest import wait_until

@@ -1,10 +1,10 @@
-"""Pure parts of gateway-side scheduling: the load a new utterance meets (``gateway.dispatch.engine_load``)
+"""Pure parts of gateway-side scheduling: the load a new utterance meets (``gateway.admission.engine_load``)
 and queue-only admission."""
 
 from __future__ import annotations
 
+from gateway.admission import engine_load
 from gateway.config import SchedulerConfig
-from gateway.dispatch import engine_load
 from gateway.scheduling import AdmissionController, EngineLoad, StepTimeEstimator
 
 

@@ -1,4 +1,4 @@
-"""Server-wide engine scheduling at the I/O edge: admission.
+"""Server-wide admission at the I/O edge (no dispatching: the engine schedules FCFS).
 
 One ``EngineScheduler`` per ``GatewayServer`` (``for_server``), shared by its connections. It
 is the thin shell around the pure policy of ``gateway.scheduling``: ``admit`` asks the
