@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import email.utils
 import hmac
 import logging
 import mimetypes
@@ -46,6 +45,7 @@ from gateway.config import GatewaySettings
 from gateway.flow import WaterMarks
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
+from gateway.responses import request_id, response, text_response
 from gateway.scheduling import AdmissionDecision
 from gateway.session import (
     AbortStream,
@@ -92,34 +92,12 @@ def default_static_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations))).resolve() / "web"
 
 
-def _response(status: int, body: bytes, content_type: str, headers: list[tuple[str, str]] | None = None,
-              ) -> Response:
-    import http
-
-    st = http.HTTPStatus(status)
-    hdrs = Headers([
-        ("Date", email.utils.formatdate(usegmt=True)),
-        ("Connection", "close"),
-        ("Content-Length", str(len(body))),
-        ("Content-Type", content_type),
-        ("Cache-Control", "no-cache"),
-        ("X-Content-Type-Options", "nosniff"),
-    ])
-    for k, v in headers or []:
-        hdrs[k] = v
-    return Response(st.value, st.phrase, hdrs, body)
-
-
-def _with_request_id(conn: ServerConnection, request: Request, response: Response) -> Response:
+def _with_request_id(conn: ServerConnection, request: Request, resp: Response) -> Response:
     """Every answer of the websockets side (upgrades, GETs, refusals) carries ``x-request-id``
     (the HTTP side, gateway/dialects/front.py, adds its own)."""
-    if "x-request-id" not in response.headers:
-        response.headers["x-request-id"] = dialects.request_id()
-    return response
-
-
-def _text(status: int, text: str, headers: list[tuple[str, str]] | None = None) -> Response:
-    return _response(status, (text + "\n").encode(), "text/plain; charset=utf-8", headers)
+    if "x-request-id" not in resp.headers:
+        resp.headers["x-request-id"] = request_id()
+    return resp
 
 
 @dataclass
@@ -246,11 +224,11 @@ class GatewayServer:
         try:
             parts = urlsplit(request.path)
         except ValueError:  # e.g. "//[x/ws": an invalid IPv6 netloc
-            return _text(400, "bad request target")
+            return text_response(400, "bad request target")
         path = parts.path
         upgrade = "websocket" in request.headers.get("Upgrade", "").lower()
         if request.method != "GET":
-            return _text(405, "method not allowed", [("Allow", "GET")])
+            return text_response(405, "method not allowed", [("Allow", "GET")])
         if not upgrade:
             if path.startswith("/v1/"):  # the dialects' listings, and their 404s, as JSON
                 return dialects.get_listing(self, request, parts.path, parts.query)
@@ -259,21 +237,21 @@ class GatewayServer:
             return dialects.process_request(self, request)  # OpenAI/ElevenLabs/Deepgram paths, else 404
         if self.draining:
             self.metrics.rejected.labels("shutdown").inc()
-            return _text(503, "server is shutting down", [("Retry-After", "5")])
+            return text_response(503, "server is shutting down", [("Retry-After", "5")])
         if not self.origin_ok(request.headers):
             self.metrics.rejected.labels("origin").inc()
-            return _text(403, "origin not allowed")
+            return text_response(403, "origin not allowed")
         offered = [p.strip() for h in request.headers.get_all("Sec-WebSocket-Protocol") for p in h.split(",")]
         if not self._auth_ok(request.headers, offered, parts.query):
             self.metrics.rejected.labels("auth").inc()
-            return _text(401, "missing or invalid token", [("WWW-Authenticate", 'Bearer realm="voicegw"')])
+            return text_response(401, "missing or invalid token", [("WWW-Authenticate", 'Bearer realm="voicegw"')])
         versions = [p for p in offered if p.startswith("voicegw.v")]
         if versions and P.SUBPROTOCOL not in versions:
             self.metrics.rejected.labels("version").inc()
-            return _text(400, f"unsupported protocol version; this server speaks {P.SUBPROTOCOL}")
+            return text_response(400, f"unsupported protocol version; this server speaks {P.SUBPROTOCOL}")
         if len(self.connections) >= self.config.limits.max_sessions:
             self.metrics.rejected.labels("capacity").inc()
-            return _text(503, "too many sessions", [("Retry-After", "1")])
+            return text_response(503, "too many sessions", [("Retry-After", "1")])
         return None
 
     def origin_ok(self, headers: Headers) -> bool:
@@ -320,11 +298,11 @@ class GatewayServer:
             return self._healthz()
         if path == "/metrics":
             self.metrics.engine_running.set(self._engine_health_running())
-            return _response(200, self.metrics.render(), METRICS_CONTENT_TYPE)
+            return response(200, self.metrics.render(), METRICS_CONTENT_TYPE)
         if path == "/protocol.json":
-            return _response(200, orjson.dumps(P.wire_constants()), "application/json")
+            return response(200, orjson.dumps(P.wire_constants()), "application/json")
         if path == P.WS_PATH:
-            return _text(426, "WebSocket upgrade required", [("Upgrade", "websocket")])
+            return text_response(426, "WebSocket upgrade required", [("Upgrade", "websocket")])
         return self._static(path)
 
     def _engine_health_running(self) -> int:
@@ -349,7 +327,7 @@ class GatewayServer:
             log.exception("engine health failed")
             body = {"engine": self.engine.name, "healthy": False, "engine_healthy": False,
                     "sessions": len(self.connections), "draining": self.draining}
-        return _response(200 if body["healthy"] else 503, orjson.dumps(body), "application/json")
+        return response(200 if body["healthy"] else 503, orjson.dumps(body), "application/json")
 
     def _static(self, path: str) -> Response:
         rel = path.lstrip("/") or "index.html"
@@ -358,15 +336,15 @@ class GatewayServer:
         try:
             target = (self.static_dir / rel).resolve()
             if not target.is_relative_to(self.static_dir) or not target.is_file():  # is_file: ENAMETOOLONG
-                return _text(404, "not found")
+                return text_response(404, "not found")
             if target.stat().st_size > _MAX_STATIC_BYTES:
-                return _text(404, "not found")
+                return text_response(404, "not found")
             body = target.read_bytes()
         except (OSError, ValueError):
-            return _text(404, "not found")
+            return text_response(404, "not found")
         ctype = _CONTENT_TYPES.get(target.suffix.lower()) or mimetypes.guess_type(target.name)[0] \
             or "application/octet-stream"
-        return _response(200, body, ctype)
+        return response(200, body, ctype)
 
     # ---- connections --------------------------------------------------------------------
 

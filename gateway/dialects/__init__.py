@@ -23,15 +23,11 @@ Every dialect connection runs one native session (``gateway/session.py``) throug
 
 from __future__ import annotations
 
-import email.utils
-import http
 import logging
-import secrets
 import uuid
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-import orjson
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
@@ -42,6 +38,7 @@ from gateway.dialects import deepgram, elevenlabs, listings, refusals
 from gateway.dialects.base import Host, token_matches
 from gateway.dialects.front import front_connection
 from gateway.dialects.socket import DialectSocket
+from gateway.responses import json_response, request_id, response, text_response
 from gateway.transport import NativeTransport, Transport
 
 __all__ = ["adapt", "front_connection", "get_listing", "process_request", "request_id", "select_subprotocol"]
@@ -49,32 +46,6 @@ __all__ = ["adapt", "front_connection", "get_listing", "process_request", "reque
 log = logging.getLogger("voicegw.dialects")
 
 _DEEPGRAM_SUBPROTOCOLS = ("token", "bearer")
-
-
-def _response(status: int, body: bytes, content_type: str, headers: list[tuple[str, str]] | None = None,
-              ) -> Response:
-    """One response with exactly one of each framing header (``Headers[k] = v`` appends in
-    websockets, so the headers are built once, never overwritten)."""
-    st = http.HTTPStatus(status)
-    hdrs = Headers([("Date", email.utils.formatdate(usegmt=True)), ("Connection", "close"),
-                    ("Content-Length", str(len(body))), ("Content-Type", content_type),
-                    ("Cache-Control", "no-cache")])
-    for k, v in headers or []:
-        hdrs[k] = v
-    return Response(st.value, st.phrase, hdrs, body)
-
-
-def _json_response(status: int, obj: Any, headers: list[tuple[str, str]] | None = None) -> Response:
-    return _response(status, orjson.dumps(obj), "application/json", headers)
-
-
-def _text_response(status: int, text: str) -> Response:
-    return _response(status, (text + "\n").encode(), "text/plain; charset=utf-8")
-
-
-def request_id() -> str:
-    """A fresh ``x-request-id`` value."""
-    return "req_" + secrets.token_hex(12)
 
 
 def get_listing(server: Host, request: Request, path: str, query: str) -> Response:
@@ -86,7 +57,7 @@ def get_listing(server: Host, request: Request, path: str, query: str) -> Respon
         return refusal_response(refusals.unauthorized(who, str(uuid.uuid4()) if who == "deepgram" else ""))
     rid = request_id()
     status, obj = listings.answer(path, request.headers, rid)
-    return _json_response(status, obj, [("x-request-id", rid)])
+    return json_response(status, obj, [("x-request-id", rid)])
 
 
 def _dialect_of(path: str) -> refusals.Vendor | None:
@@ -130,7 +101,7 @@ def refusal_response(err: refusals.Refusal, headers: tuple[tuple[str, str], ...]
     rid = getattr(err, "request_id", "")
     if rid:
         extra.append(("x-request-id", rid))
-    return _response(err.status, err.body(), "application/json", extra)
+    return response(err.status, err.body(), "application/json", extra)
 
 
 def process_request(server: Host, request: Request) -> Response | None:
@@ -141,10 +112,10 @@ def process_request(server: Host, request: Request) -> Response | None:
     try:
         parts = urlsplit(request.path)
     except ValueError:
-        return _text_response(400, "bad request target")
+        return text_response(400, "bad request target")
     dialect = _dialect_of(parts.path)
     if dialect is None:
-        return _text_response(404, "not found")
+        return text_response(404, "not found")
     rid = str(uuid.uuid4()) if dialect == "deepgram" else ""
     try:
         return _refuse_handshake(server, request, parts.path, parts.query, dialect, rid)

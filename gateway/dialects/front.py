@@ -24,7 +24,6 @@ import email.utils
 import http
 import logging
 import re
-import secrets
 from collections.abc import AsyncIterator
 from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
@@ -36,6 +35,7 @@ from gateway import protocol as P
 from gateway.dialects import deepgram, elevenlabs, http_audio, openai, refusals
 from gateway.dialects.base import FieldError, Host, parse_int, token_matches
 from gateway.dialects.socket import Inbox
+from gateway.responses import request_id
 from gateway.transport import ClientItem
 
 log = logging.getLogger("voicegw.dialects.front")
@@ -160,7 +160,7 @@ class HttpExchangeProtocol(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self.task: asyncio.Task[None] | None = None
         self.exchange: HttpExchange | None = None
-        self.request_id = "req_" + secrets.token_hex(12)
+        self.request_id = request_id()
         self.vendor: refusals.Vendor | None = None
         self._head = b""
         """The raw head so far (until its end is seen, at most ``_MAX_HEAD_BYTES`` + 4 bytes)."""
