@@ -1,12 +1,18 @@
-"""The ecosystem's TTS dialects on the gateway's port, as thin adapters onto protocol v1.
+"""The ecosystem's TTS dialects on the gateway's port, as thin adapters onto protocol v1. One module
+per vendor holds that vendor's WebSocket and HTTP handlers side by side:
 
-* OpenAI ``POST /v1/audio/speech`` (``openai.py``, served by ``front.py``);
-* ElevenLabs ``/v1/text-to-speech/{voice_id}/stream-input`` and ``multi-stream-input`` WebSockets
-  (``elevenlabs.py``);
-* Deepgram ``/v1/speak`` WebSocket (``deepgram.py``);
-* ElevenLabs ``POST /v1/text-to-speech/{voice_id}[/stream]`` and Deepgram ``POST /v1/speak``
-  (``http_audio.py``, served by ``front.py``);
-* ``GET /v1/models``, ``/v1/voices``, ``/v1/audio/voices`` (``listings.py``).
+* ``openai.py``: OpenAI ``POST /v1/audio/speech``;
+* ``elevenlabs.py``: ElevenLabs ``/v1/text-to-speech/{voice_id}/stream-input`` and
+  ``multi-stream-input`` WebSockets, and ``POST /v1/text-to-speech/{voice_id}[/stream]
+  [/with-timestamps]``;
+* ``deepgram.py``: Deepgram ``/v1/speak``, WebSocket and ``POST`` (REST).
+
+Shared by the vendors: ``base.py`` (the translator step, turns, alignment, the one numeric
+parser), ``http.py`` (the HTTP responders' outputs, the vendor error base, the audio responder
+ElevenLabs' and Deepgram's ``POST`` share), ``refusals.py`` (one refusal builder per vendor
+shape), ``audio.py`` (encoders), ``voices.py``, ``listings.py`` (``GET /v1/models``,
+``/v1/voices``, ``/v1/audio/voices``); the I/O: ``front.py`` (requests that are not GET, with
+h11), ``socket.py`` (a dialect WebSocket as a ``Transport``).
 
 Every response carries ``x-request-id`` (clients log it; LiveKit warns without it).
 

@@ -1,6 +1,8 @@
-"""Deepgram's text-to-speech WebSocket (``/v1/speak``) over a native session (pure).
+"""Deepgram's text-to-speech over a native session (pure): the ``/v1/speak`` WebSocket and the
+REST endpoint ``POST /v1/speak`` (``parse_http`` at the end of this module; its audio responder is
+``http.AudioResponder``, shared with ElevenLabs' HTTP endpoint).
 
-Client: ``{"type": "Speak", "text"}``, ``{"type": "Flush"}``, ``{"type": "Clear"}``,
+WebSocket client: ``{"type": "Speak", "text"}``, ``{"type": "Flush"}``, ``{"type": "Clear"}``,
 ``{"type": "Close"}``. Server: ``Metadata`` at connect, binary audio, ``Flushed``/``Cleared``
 (``sequence_id``), ``Warning``. Mapping (docs/dialects/deepgram.md):
 
@@ -10,6 +12,12 @@ Client: ``{"type": "Speak", "text"}``, ``{"type": "Flush"}``, ``{"type": "Clear"
 * ``Clear`` -> ``cancel``; audio still queued for the client is dropped; ``Cleared`` follows.
 * ``Close`` -> the connection closes 1000 at once (as at Deepgram); unsent audio is dropped and the
   engine work stopped, as for any disconnect.
+
+REST: JSON body ``{"text"}``, the WebSocket's query parameters (``model``, ``encoding``,
+``sample_rate``) plus ``container`` (``none``, or ``wav`` for linear16: Deepgram's REST default),
+default ``encoding=mp3`` as Deepgram's REST API, and opus/aac/flac with PyAV (``HTTP_AV``); errors
+``{"err_code", "err_msg", "request_id"}`` (``DeepgramError``); ``dg-request-id``,
+``dg-model-name``, ``dg-char-count`` headers.
 """
 
 from __future__ import annotations
@@ -17,14 +25,15 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from typing import Any, Final
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlencode
 
 import orjson
 
 from gateway import protocol as P
 from gateway.dialects import voices
-from gateway.dialects.audio import Encoder, OutputFormat
-from gateway.dialects.base import FieldError, Step, Turns, parse_int, session_start
+from gateway.dialects.audio import Encoder, OutputFormat, av_available, mp3_available
+from gateway.dialects.base import FieldError, Step, Turns, header_safe, parse_int, session_start
+from gateway.dialects.http import AudioRequest, VendorError, body_json
 
 PATH: Final = "/v1/speak"
 #: encoding -> sample rates Deepgram accepts for it (default: linear16 at 24000 Hz).
@@ -196,3 +205,79 @@ class DeepgramTranslator:
 def _is_own_refusal(msg: P.ErrorMessage) -> bool:
     """A refused ``text.delta`` of ours (``Turns`` gives every delta a string id)."""
     return isinstance(msg.id, str)
+
+
+# ---- HTTP: ``POST /v1/speak`` (Deepgram REST) ----------------------------------------------------
+
+HTTP_MP3_KBPS: Final = 48
+"""Deepgram REST's mp3: 22.05 kHz at 48 kbit/s (its documented default bit rate)."""
+#: Deepgram REST encodings beyond the WebSocket's (PyAV): encoding -> (rates, default rate, kbps).
+HTTP_AV: Final[dict[str, tuple[tuple[int, ...], int, int]]] = {
+    "opus": ((48_000,), 48_000, 32),
+    "aac": ((8_000, 16_000, 22_050, 24_000, 32_000, 44_100, 48_000), 22_050, 48),
+    "flac": ((8_000, 16_000, 22_050, 32_000, 48_000), 48_000, 0),
+}
+
+
+class DeepgramError(VendorError):
+    """Deepgram's error shape: ``{"err_code", "err_msg", "request_id"}``."""
+
+    vendor = "deepgram"
+
+    def body(self) -> bytes:
+        return orjson.dumps({"err_code": self.code, "err_msg": self.message, "request_id": self.request_id})
+
+
+def parse_http(query: str, raw: bytes, max_chars: int) -> AudioRequest:
+    """``POST /v1/speak``; raises DeepgramError."""
+    rid = str(uuid.uuid4())
+    q = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
+    if q.get("speed", "").endswith(".0"):  # SDKs send floats: "1.0" (sample_rate: parse_rate)
+        q["speed"] = q["speed"][:-2]
+    encoding = q.get("encoding") or "mp3"
+    container = q.get("container") or {"linear16": "wav", "opus": "ogg"}.get(encoding, "none")
+    if encoding not in HTTP_AV and (container not in ("none", "wav") or container == "wav"
+                                    and encoding != "linear16"):
+        raise DeepgramError(400, "UNSUPPORTED_CONTAINER", f"container {container!r} is not supported for "
+                            f"{encoding}; use none (or wav with linear16)", request_id=rid)
+    if encoding in HTTP_AV:
+        if not av_available():
+            raise DeepgramError(400, "UNSUPPORTED_ENCODING", f"{encoding} needs the av package on this server; "
+                                "use encoding=linear16, mulaw or alaw", request_id=rid)
+        rates, default_rate, kbps = HTTP_AV[encoding]
+        try:
+            rate = parse_rate(q.get("sample_rate"), encoding, rates, default_rate)
+        except QueryError as exc:
+            raise DeepgramError(400, exc.err_code, exc.err_msg, request_id=rid) from None
+        if container not in ("none", "ogg" if encoding == "opus" else "none"):
+            raise DeepgramError(400, "UNSUPPORTED_CONTAINER", f"container {container!r} is not supported for "
+                                f"{encoding}", request_id=rid)
+        rest = urlencode({k: v for k, v in q.items() if k not in ("encoding", "sample_rate", "container")})
+        try:
+            opts = parse_query(rest)
+        except QueryError as exc:
+            raise DeepgramError(400, exc.err_code, exc.err_msg, request_id=rid) from None
+        fmt = OutputFormat(encoding, rate, kbps)  # type: ignore[arg-type]
+    elif encoding == "mp3":
+        if not mp3_available():
+            raise DeepgramError(400, "UNSUPPORTED_ENCODING", "mp3 needs the lameenc package on this server; "
+                                "use encoding=linear16, mulaw or alaw", request_id=rid)
+        rest = urlencode({k: v for k, v in q.items() if k not in ("encoding", "sample_rate", "container")})
+        try:
+            opts = parse_query(rest)
+        except QueryError as exc:
+            raise DeepgramError(400, exc.err_code, exc.err_msg, request_id=rid) from None
+        fmt = OutputFormat("mp3", 22_050, HTTP_MP3_KBPS)
+    else:
+        rest = urlencode({k: v for k, v in q.items() if k != "container"})
+        try:
+            opts = parse_query(rest)
+        except QueryError as exc:
+            raise DeepgramError(400, exc.err_code, exc.err_msg, request_id=rid) from None
+        fmt = opts.fmt
+    _, text = body_json(raw, DeepgramError, max_chars)
+    model = header_safe(opts.model)  # the client's spelling (a known model, "default" or a seed)
+    headers = (("dg-request-id", rid), ("dg-model-name", model), ("dg-model-uuid", f"voicegw-{model}"),
+               ("dg-char-count", str(len(text))))
+    return AudioRequest(text, opts.speaker, fmt, DeepgramError, opts.language, wav=container == "wav",
+                        headers=headers, request_id=rid)

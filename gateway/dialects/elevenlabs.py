@@ -1,5 +1,9 @@
-"""ElevenLabs' input-streaming WebSocket (``/v1/text-to-speech/{voice_id}/stream-input``) over a
-native session (pure).
+"""ElevenLabs over a native session (pure): the input-streaming WebSockets
+(``/v1/text-to-speech/{voice_id}/stream-input``, ``multi-stream-input``) and the HTTP endpoint
+(``POST /v1/text-to-speech/{voice_id}[/stream][/with-timestamps]``, ``parse_http`` at the end of
+this module; its audio responder is ``http.AudioResponder``, shared with Deepgram's REST).
+
+WebSocket ``stream-input``:
 
 Client: a first message ``{"text": " ", "voice_settings"?, "generation_config"?, "xi_api_key"?}``,
 then ``{"text": "...", "flush"?: bool, "try_trigger_generation"?: bool}``, and ``{"text": ""}`` to
@@ -8,6 +12,12 @@ per chunk, ``{"audio": null, "alignment": {...}, ...}`` after each segment (``Al
 ``{"isFinal": true}`` once everything is spoken, then close 1000. Mapping
 (docs/dialects/elevenlabs.md): text -> ``text.delta``; ``flush: true`` -> ``text.flush``;
 ``{"text": ""}`` -> ``text.end`` (+ barrier) -> ``isFinal`` -> close.
+
+HTTP: JSON body ``{"text", "model_id"?, "voice_settings"?, "language_code"?, "seed"?, ...}``,
+query ``output_format`` (the WebSocket's formats, default ``mp3_44100_128``); ``with-timestamps``
+answers JSON (``audio_base64`` and character ``alignment``: one object, or with ``/stream`` one
+line per segment as each segment's audio is complete); errors ``{"detail": {"status",
+"message"}}`` (``ElevenLabsError``).
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from gateway import protocol as P
 from gateway.dialects import voices
 from gateway.dialects.audio import Encoder, OutputFormat, av_available, mp3_available
 from gateway.dialects.base import Alignment, FieldError, Step, Turns, parse_int, session_start
+from gateway.dialects.http import AudioRequest, VendorError, body_json
 
 PATH_PREFIX: Final = "/v1/text-to-speech/"
 """Every path under it is ElevenLabs' (its refusals in its shape)."""
@@ -535,3 +546,54 @@ class ElevenLabsMultiTranslator:
         if reason == P.CloseReason.IDLE.value:
             return _idle_close(self.options, {})
         return Step(close=(code, reason))
+
+
+# ---- HTTP: ``POST /v1/text-to-speech/{voice_id}[/stream][/with-timestamps]`` ---------------------
+
+HTTP_PATH_RE: Final = re.compile(r"^/v1/text-to-speech/([^/]+)(/stream)?(/with-timestamps)?$")
+
+
+class ElevenLabsError(VendorError):
+    """ElevenLabs' error shape: ``{"detail": {"status", "message"}}``."""
+
+    vendor = "elevenlabs"
+
+    def body(self) -> bytes:
+        return orjson.dumps({"detail": {"status": self.code, "message": self.message}})
+
+
+def parse_http(path: str, query: str, raw: bytes, max_chars: int) -> AudioRequest:
+    """``POST /v1/text-to-speech/{voice_id}[/stream]``; raises ElevenLabsError."""
+    m = HTTP_PATH_RE.match(path)
+    if m is None:
+        raise ElevenLabsError(404, "not_found", "not found")
+    voice_id = unquote(m.group(1))
+    try:
+        if len(voice_id) > MAX_VOICE_ID_CHARS:
+            raise voices.UnknownVoice(voice_id)
+        speaker = voices.elevenlabs_voice(voice_id)
+    except voices.UnknownVoice:
+        raise ElevenLabsError(404, "voice_not_found", f"A voice with the voice_id "
+                              f"{shown_voice_id(voice_id)} was not found.") from None
+    q = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
+    fmt_name = q.get("output_format") or "mp3_44100_128"
+    served = served_formats()
+    fmt = served.get(fmt_name)
+    if fmt is None:
+        raise ElevenLabsError(400, "invalid_output_format", f"output_format {fmt_name} is not supported by this "
+                              f"server; use one of {', '.join(served)}")
+    obj, text = body_json(raw, ElevenLabsError, max_chars)
+    problem = check_voice_settings(obj.get("voice_settings"))
+    if problem:
+        raise ElevenLabsError(422, "invalid_voice_settings", problem)
+    seed = obj.get("seed")
+    if seed is not None:
+        try:
+            seed = parse_int(seed, "seed", 0, MAX_SEED)
+        except FieldError as exc:
+            raise ElevenLabsError(422, "invalid_seed", exc.message) from None
+    language = obj.get("language_code")
+    if language is not None and (not isinstance(language, str) or not re.fullmatch(r"[A-Za-z0-9-]{1,16}", language)):
+        raise ElevenLabsError(422, "invalid_language_code", "language_code must be a language tag")
+    return AudioRequest(text, speaker, fmt, ElevenLabsError, language, None if seed is None else seed % 2**31,
+                        timestamps=m.group(3) is not None, stream=m.group(2) is not None)

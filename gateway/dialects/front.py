@@ -12,7 +12,7 @@ encoding.
 
 A speech request runs as a session of the gateway (``Host.handle``), like a WebSocket client:
 ``HttpExchange`` is the duck-typed connection ``server._Connection`` drives, and
-``openai.SpeechResponder`` / ``http_audio.AudioResponder`` turn the session's audio into the
+``openai.SpeechResponder`` / ``http.AudioResponder`` (ElevenLabs', Deepgram's) turn the session's audio into the
 response body. Refusals come in the vendor's error shape (the path says which vendor).
 """
 
@@ -32,8 +32,9 @@ import h11
 from websockets.asyncio.server import ServerConnection
 
 from gateway import protocol as P
-from gateway.dialects import deepgram, elevenlabs, http_audio, openai, refusals
+from gateway.dialects import deepgram, elevenlabs, openai, refusals
 from gateway.dialects.base import FieldError, Host, parse_int, token_matches
+from gateway.dialects.http import Abort, AudioResponder, Body, End, Head, HttpOut, VendorError
 from gateway.dialects.socket import Inbox
 from gateway.responses import request_id
 from gateway.transport import ClientItem
@@ -340,13 +341,13 @@ class HttpExchangeProtocol(asyncio.Protocol):
                                          max_input_chars=min(lim.max_utterance_chars, lim.openai_max_input_chars))
                 responder = openai.SpeechResponder(body)
             elif self.vendor == "elevenlabs":
-                responder = http_audio.AudioResponder(http_audio.parse_elevenlabs(
+                responder = AudioResponder(elevenlabs.parse_http(
                     parts.path, parts.query, bytes(self.body), lim.max_utterance_chars))
             else:
-                responder = http_audio.AudioResponder(http_audio.parse_deepgram(
+                responder = AudioResponder(deepgram.parse_http(
                     parts.query, bytes(self.body), lim.max_utterance_chars))
-        except (openai.ApiError, http_audio.VendorError) as err:
-            if isinstance(err, http_audio.DeepgramError):
+        except (openai.ApiError, VendorError) as err:
+            if isinstance(err, deepgram.DeepgramError):
                 err.request_id = self.request_id
             self._respond_now(err)
             return
@@ -434,7 +435,7 @@ class _Plain:
 
 
 _Refusal = refusals.Refusal | _Plain
-Responder = openai.SpeechResponder | http_audio.AudioResponder
+Responder = openai.SpeechResponder | AudioResponder
 
 
 def _vendor_of(path: str) -> refusals.Vendor | None:
@@ -531,7 +532,7 @@ class HttpExchange:
         await self._emit(self.responder.on_server_close(code, reason))
         self.finish(abort=not self.done)
 
-    async def _emit(self, outs: list[openai.HttpOut]) -> None:
+    async def _emit(self, outs: list[HttpOut]) -> None:
         try:
             await self._emit_all(outs)
         except h11.LocalProtocolError:
@@ -541,20 +542,20 @@ class HttpExchange:
             self.proto.abort()
             self._finished(P.CloseCode.INTERNAL_ERROR)
 
-    async def _emit_all(self, outs: list[openai.HttpOut]) -> None:
+    async def _emit_all(self, outs: list[HttpOut]) -> None:
         p = self.proto
         for o in outs:
             if self.done:
                 return
-            if isinstance(o, openai.Head):
+            if isinstance(o, Head):
                 p.send_head(o.status, o.headers)
-            elif isinstance(o, openai.Body):
+            elif isinstance(o, Body):
                 p.send_body(o.data)
                 await p.drain()
-            elif isinstance(o, openai.End):
+            elif isinstance(o, End):
                 p.end()
                 self._finished(P.CloseCode.NORMAL)
-            elif isinstance(o, openai.Abort):
+            elif isinstance(o, Abort):
                 p.abort()
                 self._finished(P.CloseCode.INTERNAL_ERROR)
 

@@ -1,4 +1,5 @@
-"""OpenAI's speech endpoint (``POST /v1/audio/speech``) over a native session (pure).
+"""OpenAI's speech endpoint (``POST /v1/audio/speech``) over a native session (pure). OpenAI has
+no WebSocket TTS dialect here: this is all of it (its listings are ``listings.py``).
 
 ``parse_body`` validates the JSON body (OpenAI's fields; errors in OpenAI's shape, ``ApiError``).
 ``SpeechResponder`` runs one request: it opens the native session (``session.start``, the input as
@@ -21,6 +22,7 @@ from gateway import protocol as P
 from gateway.dialects import voices
 from gateway.dialects.audio import Encoder, OutputFormat, av_available, mp3_available, wav_stream_header
 from gateway.dialects.base import session_start
+from gateway.dialects.http import Abort, Body, End, Head, HttpOut
 
 PATH: Final = "/v1/audio/speech"
 RATE_HZ: Final = 24_000
@@ -139,31 +141,8 @@ def parse_body(raw: bytes, *, max_input_chars: int) -> SpeechBody:
     return SpeechBody(model, text, voice, speaker, fmt, stream_format, float(speed))
 
 
-# ---- the response ----------------------------------------------------------------------------
+# ---- the response (its outputs: ``http.Head``, ``Body``, ``End``, ``Abort``) ------------------
 
-
-@dataclass(frozen=True)
-class Head:
-    status: int
-    headers: tuple[tuple[str, str], ...]
-
-
-@dataclass(frozen=True)
-class Body:
-    data: bytes
-
-
-@dataclass(frozen=True)
-class End:
-    """The response is complete."""
-
-
-@dataclass(frozen=True)
-class Abort:
-    """Cut the response short (the client sees a truncated body)."""
-
-
-HttpOut = Head | Body | End | Abort
 
 def _openai_type(status: int) -> str:
     """OpenAI's error ``type`` for an HTTP status."""

@@ -3,8 +3,8 @@ refusal of a ``POST``, the body parsers' errors), the WebSocket handshakes (``pr
 in ``gateway/dialects/__init__.py``) and the listings' 401:
 
 * OpenAI: ``{"error": {"message", "type", "param", "code"}}`` (``openai.ApiError``);
-* ElevenLabs: ``{"detail": {"status", "message"}}`` (``http_audio.ElevenLabsError``);
-* Deepgram: ``{"err_code", "err_msg", "request_id"}`` (``http_audio.DeepgramError``; an
+* ElevenLabs: ``{"detail": {"status", "message"}}`` (``elevenlabs.ElevenLabsError``);
+* Deepgram: ``{"err_code", "err_msg", "request_id"}`` (``deepgram.DeepgramError``; an
   ``UPPER_CASE`` code; the generic refusals use the codes of ``DEEPGRAM_CODES``).
 
 Messages are fixed text chosen by the gateway: never an exception's text.
@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from typing import Final, Literal
 
-from gateway.dialects import http_audio, openai
+from gateway.dialects import deepgram, elevenlabs, openai
 from gateway.dialects.base import header_safe
+from gateway.dialects.http import VendorError
 
 __all__ = ["DEEPGRAM_CODES", "Refusal", "Vendor", "header_safe", "refusal"]
 
 Vendor = Literal["openai", "elevenlabs", "deepgram"]
-Refusal = openai.ApiError | http_audio.VendorError
+Refusal = openai.ApiError | VendorError
 
 #: Deepgram ``err_code`` of the generic refusals, by HTTP status.
 DEEPGRAM_CODES: Final[dict[int, str]] = {
@@ -36,10 +37,10 @@ def refusal(vendor: Vendor | None, status: int, code: str, message: str,
     ``/v1/`` paths). ``code`` is the snake_case code (OpenAI's ``code``, ElevenLabs' ``status``);
     for Deepgram an ``UPPER_CASE`` code is kept, else ``DEEPGRAM_CODES`` by status."""
     if vendor == "elevenlabs":
-        return http_audio.ElevenLabsError(status, code, message, headers)
+        return elevenlabs.ElevenLabsError(status, code, message, headers)
     if vendor == "deepgram":
         dg_code = code if code.isupper() else DEEPGRAM_CODES.get(status, code.upper())
-        return http_audio.DeepgramError(status, dg_code, message, headers, request_id=request_id)
+        return deepgram.DeepgramError(status, dg_code, message, headers, request_id=request_id)
     type_ = "server_error" if status >= 500 else "invalid_request_error"
     return openai.ApiError(status, message, type_, None, code, headers)
 

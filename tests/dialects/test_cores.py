@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gateway import protocol as P
-from gateway.dialects import deepgram, elevenlabs, openai, voices
+from gateway.dialects import deepgram, elevenlabs, http, openai, voices
 from gateway.dialects.audio import Encoder, OutputFormat, alaw_decode, alaw_encode, mp3_available
 from gateway.dialects.base import Alignment, Turns
 from gateway.dialects.front import classify
@@ -139,11 +139,11 @@ def test_openai_responder_errors_before_and_after_audio():
     out = r.on_server_message(P.ErrorMessage(code=P.ErrorCode.ENGINE_OVERLOADED, utterance_id=1))
     assert out == []  # utterance.done carries the failure
     out = r.on_server_message(_done("error", P.ErrorCode.ENGINE_OVERLOADED))
-    assert isinstance(out[0], openai.Head) and out[0].status == 503
+    assert isinstance(out[0], http.Head) and out[0].status == 503
     r = openai.SpeechResponder(body)
     hdr = P.AudioFrameHeader(1, 0, 0, 0)
-    assert isinstance(r.on_server_audio(hdr, b"\x00\x00" * 10)[0], openai.Head)
-    assert r.on_server_close(1011, "internal error") == [openai.Abort()]
+    assert isinstance(r.on_server_audio(hdr, b"\x00\x00" * 10)[0], http.Head)
+    assert r.on_server_close(1011, "internal error") == [http.Abort()]
 
 
 def test_handshake_parsing():
