@@ -67,13 +67,10 @@ def get_listing(server: Host, request: Request, path: str, query: str) -> Respon
 
 
 def _dialect_of(path: str) -> refusals.Vendor | None:
-    """The WebSocket dialect a handshake path belongs to: every ``/v1/text-to-speech/...`` path is
-    ElevenLabs' (a path it does not serve, an over-long voice id: its 404 in its shape)."""
-    if path == deepgram.PATH:
-        return "deepgram"
-    if path.startswith(elevenlabs.PATH_PREFIX):
-        return "elevenlabs"
-    return None
+    """The WebSocket dialect a handshake path belongs to (``refusals.vendor_of``; OpenAI has no
+    WebSocket dialect: its path is a 404 here, as any other)."""
+    vendor = refusals.vendor_of(path)
+    return None if vendor == "openai" else vendor
 
 
 def _offered(headers: Headers) -> list[str]:

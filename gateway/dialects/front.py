@@ -219,7 +219,7 @@ class HttpExchangeProtocol(asyncio.Protocol):
         if len(words) < 2:
             return None
         try:
-            return _vendor_of(urlsplit(words[1].decode("ascii", "replace")).path)
+            return refusals.vendor_of(urlsplit(words[1].decode("ascii", "replace")).path)
         except ValueError:
             return None
 
@@ -289,7 +289,7 @@ class HttpExchangeProtocol(asyncio.Protocol):
         target = req.target.decode("ascii", "replace")
         parts = urlsplit(target)
         method = req.method.decode("ascii", "replace")
-        self.vendor = _vendor_of(parts.path)
+        self.vendor = refusals.vendor_of(parts.path)
         if self.vendor is None:
             if parts.path.startswith("/v1/"):
                 return openai.ApiError(404, f"Invalid URL ({method} {parts.path[:256]})")
@@ -436,18 +436,6 @@ class _Plain:
 
 _Refusal = refusals.Refusal | _Plain
 Responder = openai.SpeechResponder | AudioResponder
-
-
-def _vendor_of(path: str) -> refusals.Vendor | None:
-    """Whose path this is: every ``/v1/text-to-speech/...`` path is ElevenLabs' (one it does not
-    serve, an over-long voice id: its 404 in its shape)."""
-    if path == openai.PATH:
-        return "openai"
-    if path == deepgram.PATH:
-        return "deepgram"
-    if path.startswith(elevenlabs.PATH_PREFIX):
-        return "elevenlabs"
-    return None
 
 
 def _text_error(status: int, text: str) -> _Plain:

@@ -18,7 +18,7 @@ from gateway.dialects import deepgram, elevenlabs, openai
 from gateway.dialects.base import header_safe
 from gateway.dialects.http import VendorError
 
-__all__ = ["DEEPGRAM_CODES", "Refusal", "Vendor", "header_safe", "refusal"]
+__all__ = ["DEEPGRAM_CODES", "Refusal", "Vendor", "header_safe", "refusal", "vendor_of"]
 
 Vendor = Literal["openai", "elevenlabs", "deepgram"]
 Refusal = openai.ApiError | VendorError
@@ -29,6 +29,18 @@ DEEPGRAM_CODES: Final[dict[int, str]] = {
     408: "REQUEST_TIMEOUT", 413: "PAYLOAD_TOO_LARGE", 431: "REQUEST_HEADER_FIELDS_TOO_LARGE",
     500: "INTERNAL_SERVER_ERROR", 503: "SERVICE_UNAVAILABLE",
 }
+
+
+def vendor_of(path: str) -> Vendor | None:
+    """Whose path this is, so whose refusal shape it gets: every ``/v1/text-to-speech/...`` path is
+    ElevenLabs' (one it does not serve, an over-long voice id: its 404 in its shape)."""
+    if path == openai.PATH:
+        return "openai"
+    if path == deepgram.PATH:
+        return "deepgram"
+    if path.startswith(elevenlabs.PATH_PREFIX):
+        return "elevenlabs"
+    return None
 
 
 def refusal(vendor: Vendor | None, status: int, code: str, message: str,
