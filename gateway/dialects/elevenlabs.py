@@ -1,7 +1,8 @@
 """ElevenLabs over a native session (pure): the input-streaming WebSockets
 (``/v1/text-to-speech/{voice_id}/stream-input``, ``multi-stream-input``) and the HTTP endpoint
 (``POST /v1/text-to-speech/{voice_id}[/stream][/with-timestamps]``, ``parse_http`` at the end of
-this module; its audio responder is ``http.AudioResponder``, shared with Deepgram's REST).
+this module; its responder is ``http.AudioResponder``, shared with Deepgram's REST, or for
+``with-timestamps`` ``TimestampsResponder``).
 
 WebSocket ``stream-input``:
 
@@ -36,7 +37,7 @@ from gateway import protocol as P
 from gateway.dialects import voices
 from gateway.dialects.audio import Encoder, OutputFormat, av_available, mp3_available
 from gateway.dialects.base import Alignment, FieldError, Step, Turns, parse_int, session_start
-from gateway.dialects.http import AudioRequest, VendorError, body_json
+from gateway.dialects.http import AudioRequest, AudioResponder, Body, HttpOut, VendorError, body_json
 
 PATH_PREFIX: Final = "/v1/text-to-speech/"
 """Every path under it is ElevenLabs' (its refusals in its shape)."""
@@ -597,3 +598,98 @@ def parse_http(path: str, query: str, raw: bytes, max_chars: int) -> AudioReques
         raise ElevenLabsError(422, "invalid_language_code", "language_code must be a language tag")
     return AudioRequest(text, speaker, fmt, ElevenLabsError, language, None if seed is None else seed % 2**31,
                         timestamps=m.group(3) is not None, stream=m.group(2) is not None)
+
+
+MAX_LINE_AUDIO_BYTES: Final = 65_536
+"""``/stream/with-timestamps``: most audio bytes in one JSON line (~1.4 s of 24 kHz PCM)."""
+
+
+class TimestampsResponder(AudioResponder):
+    """``with-timestamps``: JSON with base64 audio and character ``alignment``, one object at the
+    end, or (``/stream``) one line per segment as each segment's audio is complete."""
+
+    def __init__(self, req: AudioRequest) -> None:
+        super().__init__(req)
+        self._alignment_of = Alignment()
+        self._alignment_of.add_text(self.req.text)
+        """Characters of the text before this are aligned (gaps: spaces, unspoken marks)."""
+        self._seg_audio = bytearray()
+        self._t_ms = 0.0
+        self._chars: list[str] = []
+        self._starts_s: list[float] = []
+        self._ends_s: list[float] = []
+        self._audio = bytearray()
+
+    def _content_type(self) -> str:
+        return "application/json"
+
+    def _on_audio(self, pcm16: bytes) -> list[HttpOut]:
+        self._seg_audio += self.encoder.encode(pcm16)
+        return []
+
+    def _segment(self, msg: P.SegmentStarted | P.SegmentDone) -> list[HttpOut]:
+        if isinstance(msg, P.SegmentStarted):
+            self._alignment_of.started(msg)
+            return []
+        return self._segment_done(msg.samples)
+
+    def _alignment(self, chars: list[str], starts: list[float], ends: list[float]) -> dict[str, Any]:
+        a = {"characters": chars, "character_start_times_seconds": starts, "character_end_times_seconds": ends}
+        return {"alignment": a, "normalized_alignment": a}
+
+    def _segment_done(self, samples: int) -> list[HttpOut]:
+        """A segment's audio is complete: its characters' times (an estimate within the segment,
+        ``segmenter.char_timings``), as one JSON line when streaming."""
+        dur_ms = samples * 1000.0 / self.req.fmt.session_rate_hz
+        chars, starts, durs, _ = self._alignment_of.done_ms(samples, self.req.fmt.session_rate_hz) or ([], [], [], 0)
+        t0 = round(self._t_ms / 1000.0, 3)
+        s0 = [round((self._t_ms + a) / 1000.0, 3) for a in starts]
+        e0 = [round((self._t_ms + a + d) / 1000.0, 3) for a, d in zip(starts, durs, strict=True)]
+        self._t_ms += dur_ms
+        audio, self._seg_audio = bytes(self._seg_audio), bytearray()
+        if not self.req.stream:
+            self._audio += audio
+            self._chars += chars
+            self._starts_s += s0
+            self._ends_s += e0
+            return []
+        out = self._head()
+        # lines of at most MAX_LINE_AUDIO_BYTES of audio (clients read a line into a bounded
+        # buffer: aiohttp's default is 512 KiB, Pipecat's ElevenLabsHttpTTSService uses it); each
+        # line carries the characters that start in its stretch of the segment's audio
+        n_pieces = max(1, -(-len(audio) // MAX_LINE_AUDIO_BYTES))
+        seg_start_s, seg_end_s = t0, round((self._t_ms) / 1000.0, 3)
+        k = 0
+        for i in range(n_pieces):
+            piece = audio[i * MAX_LINE_AUDIO_BYTES:(i + 1) * MAX_LINE_AUDIO_BYTES]
+            until_s = seg_start_s + (seg_end_s - seg_start_s) * (i + 1) / n_pieces
+            j = len(chars) if i == n_pieces - 1 else k
+            while i < n_pieces - 1 and j < len(chars) and s0[j] < until_s:
+                j += 1
+            line = {"audio_base64": base64.b64encode(piece).decode(), **self._alignment(chars[k:j], s0[k:j], e0[k:j])}
+            out.append(Body(orjson.dumps(line) + b"\n"))
+            k = j
+        return out
+
+    def _complete(self, tail: bytes) -> list[HttpOut]:
+        out: list[HttpOut] = []
+        audio = bytes(self._audio) + bytes(self._seg_audio) + tail
+        rest = list(self._alignment_of.rest())  # trailing spaces or unspoken marks
+        t_end = round(self._t_ms / 1000.0, 3)
+        if self.req.stream:
+            if audio or rest:
+                out.append(Body(orjson.dumps({"audio_base64": base64.b64encode(audio).decode(),
+                                              **self._alignment(rest, [t_end] * len(rest),
+                                                                [t_end] * len(rest))}) + b"\n"))
+        else:
+            self._chars += rest
+            self._starts_s += [t_end] * len(rest)
+            self._ends_s += [t_end] * len(rest)
+            out.append(Body(orjson.dumps({"audio_base64": base64.b64encode(audio).decode(),
+                                          **self._alignment(self._chars, self._starts_s, self._ends_s)})))
+        return out
+
+
+def http_responder(req: AudioRequest) -> AudioResponder:
+    """The responder for a parsed request: ``with-timestamps`` JSON, or the audio itself."""
+    return TimestampsResponder(req) if req.timestamps else AudioResponder(req)

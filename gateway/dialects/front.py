@@ -341,7 +341,7 @@ class HttpExchangeProtocol(asyncio.Protocol):
                                          max_input_chars=min(lim.max_utterance_chars, lim.openai_max_input_chars))
                 responder = openai.SpeechResponder(body)
             elif self.vendor == "elevenlabs":
-                responder = AudioResponder(elevenlabs.parse_http(
+                responder = elevenlabs.http_responder(elevenlabs.parse_http(
                     parts.path, parts.query, bytes(self.body), lim.max_utterance_chars))
             else:
                 responder = AudioResponder(deepgram.parse_http(

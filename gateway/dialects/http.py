@@ -12,7 +12,6 @@ stream short (``Abort``).
 
 from __future__ import annotations
 
-import base64
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -22,7 +21,7 @@ import orjson
 from gateway import protocol as P
 from gateway.dialects import voices
 from gateway.dialects.audio import Encoder, OutputFormat, wav_stream_header
-from gateway.dialects.base import Alignment, session_start
+from gateway.dialects.base import session_start
 
 # ---- what a responder emits -------------------------------------------------------------------
 
@@ -55,8 +54,6 @@ HttpOut = Head | Body | End | Abort
 
 _CONTENT_TYPES: Final = {"pcm16": "audio/pcm", "mulaw": "audio/basic", "alaw": "audio/x-alaw-basic",
                          "mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac"}
-MAX_LINE_AUDIO_BYTES: Final = 65_536
-"""``/stream/with-timestamps``: most audio bytes in one JSON line (~1.4 s of 24 kHz PCM)."""
 
 
 class VendorError(Exception):
@@ -122,7 +119,10 @@ def body_json(raw: bytes, err: type[VendorError], max_chars: int) -> tuple[dict[
 
 
 class AudioResponder:
-    """One request over a native session: ``opening()`` messages, then audio as it comes."""
+    """One request over a native session: ``opening()`` messages, then audio as it comes (the
+    encoded audio as the body; ElevenLabs' ``with-timestamps`` JSON is
+    ``elevenlabs.TimestampsResponder``, which overrides the hooks ``_content_type``, ``_on_audio``,
+    ``_segment`` and ``_complete``)."""
 
     def __init__(self, req: AudioRequest) -> None:
         self.req = req
@@ -130,28 +130,19 @@ class AudioResponder:
         self.head_sent = False
         self.finished = False
         self.samples = 0
-        self._alignment_of = Alignment()
-        self._alignment_of.add_text(self.req.text)
-        """Characters of the text before this are aligned (gaps: spaces, unspoken marks)."""
-        self._seg_audio = bytearray()
-        self._t_ms = 0.0
-        self._chars: list[str] = []
-        self._starts_s: list[float] = []
-        self._ends_s: list[float] = []
-        self._audio = bytearray()
 
     def opening(self) -> list[dict[str, Any]]:
         r = self.req
         return [session_start(r.fmt.session_rate_hz, r.speaker, r.language, r.seed), {"type": P.ClientType.TEXT_DELTA.value, "text": r.text}, {"type": P.ClientType.TEXT_END.value}]
 
+    def _content_type(self) -> str:
+        return "audio/wav" if self.req.wav else _CONTENT_TYPES[self.req.fmt.encoding]
+
     def _head(self) -> list[HttpOut]:
         if self.head_sent:
             return []
         self.head_sent = True
-        ctype = "audio/wav" if self.req.wav else _CONTENT_TYPES[self.req.fmt.encoding]
-        if self.req.timestamps:
-            ctype = "application/json"
-        out: list[HttpOut] = [Head(200, (("Content-Type", ctype), *self.req.headers))]
+        out: list[HttpOut] = [Head(200, (("Content-Type", self._content_type()), *self.req.headers))]
         if self.req.wav:
             out.append(Body(wav_stream_header(self.req.fmt.rate_hz)))
         return out
@@ -160,52 +151,23 @@ class AudioResponder:
         if self.finished or not pcm16:
             return []
         self.samples += len(pcm16) // 2
-        if self.req.timestamps:
-            self._seg_audio += self.encoder.encode(pcm16)
-            return []
+        return self._on_audio(pcm16)
+
+    def _on_audio(self, pcm16: bytes) -> list[HttpOut]:
+        """Audio of the utterance (not empty): what goes out for it now."""
         out = self._head()
         data = self.encoder.encode(pcm16)
         if data:
             out.append(Body(data))
         return out
 
-    def _alignment(self, chars: list[str], starts: list[float], ends: list[float]) -> dict[str, Any]:
-        a = {"characters": chars, "character_start_times_seconds": starts, "character_end_times_seconds": ends}
-        return {"alignment": a, "normalized_alignment": a}
+    def _segment(self, msg: P.SegmentStarted | P.SegmentDone) -> list[HttpOut]:
+        """A segment started or is done (its audio complete): nothing for plain audio."""
+        return []
 
-    def _segment_done(self, samples: int) -> list[HttpOut]:
-        """A segment's audio is complete: its characters' times (an estimate within the segment,
-        ``segmenter.char_timings``), as one JSON line when streaming."""
-        dur_ms = samples * 1000.0 / self.req.fmt.session_rate_hz
-        chars, starts, durs, _ = self._alignment_of.done_ms(samples, self.req.fmt.session_rate_hz) or ([], [], [], 0)
-        t0 = round(self._t_ms / 1000.0, 3)
-        s0 = [round((self._t_ms + a) / 1000.0, 3) for a in starts]
-        e0 = [round((self._t_ms + a + d) / 1000.0, 3) for a, d in zip(starts, durs, strict=True)]
-        self._t_ms += dur_ms
-        audio, self._seg_audio = bytes(self._seg_audio), bytearray()
-        if not self.req.stream:
-            self._audio += audio
-            self._chars += chars
-            self._starts_s += s0
-            self._ends_s += e0
-            return []
-        out = self._head()
-        # lines of at most MAX_LINE_AUDIO_BYTES of audio (clients read a line into a bounded
-        # buffer: aiohttp's default is 512 KiB, Pipecat's ElevenLabsHttpTTSService uses it); each
-        # line carries the characters that start in its stretch of the segment's audio
-        n_pieces = max(1, -(-len(audio) // MAX_LINE_AUDIO_BYTES))
-        seg_start_s, seg_end_s = t0, round((self._t_ms) / 1000.0, 3)
-        k = 0
-        for i in range(n_pieces):
-            piece = audio[i * MAX_LINE_AUDIO_BYTES:(i + 1) * MAX_LINE_AUDIO_BYTES]
-            until_s = seg_start_s + (seg_end_s - seg_start_s) * (i + 1) / n_pieces
-            j = len(chars) if i == n_pieces - 1 else k
-            while i < n_pieces - 1 and j < len(chars) and s0[j] < until_s:
-                j += 1
-            line = {"audio_base64": base64.b64encode(piece).decode(), **self._alignment(chars[k:j], s0[k:j], e0[k:j])}
-            out.append(Body(orjson.dumps(line) + b"\n"))
-            k = j
-        return out
+    def _complete(self, tail: bytes) -> list[HttpOut]:
+        """The utterance is done (the head sent): the rest of the body (``tail``: the encoder's)."""
+        return [Body(tail)] if tail else []
 
     def on_server_message(self, msg: P.ServerMessage) -> list[HttpOut]:
         if self.finished:
@@ -214,32 +176,12 @@ class AudioResponder:
             if msg.status is not P.UtteranceStatus.OK:
                 return self._fail_code(msg.error or P.ErrorCode.ENGINE_ERROR)
             out = self._head()
-            tail = self.encoder.flush()
-            if self.req.timestamps:
-                audio = bytes(self._audio) + bytes(self._seg_audio) + tail
-                rest = list(self._alignment_of.rest())  # trailing spaces or unspoken marks
-                t_end = round(self._t_ms / 1000.0, 3)
-                if self.req.stream:
-                    if audio or rest:
-                        out.append(Body(orjson.dumps({"audio_base64": base64.b64encode(audio).decode(),
-                                                      **self._alignment(rest, [t_end] * len(rest),
-                                                                        [t_end] * len(rest))}) + b"\n"))
-                else:
-                    self._chars += rest
-                    self._starts_s += [t_end] * len(rest)
-                    self._ends_s += [t_end] * len(rest)
-                    out.append(Body(orjson.dumps({"audio_base64": base64.b64encode(audio).decode(),
-                                                  **self._alignment(self._chars, self._starts_s, self._ends_s)})))
-            elif tail:
-                out.append(Body(tail))
+            out += self._complete(self.encoder.flush())
             self.finished = True
             out.append(End())
             return out
-        if self.req.timestamps and isinstance(msg, P.SegmentStarted):
-            self._alignment_of.started(msg)
-            return []
-        if self.req.timestamps and isinstance(msg, P.SegmentDone):
-            return self._segment_done(msg.samples)
+        if isinstance(msg, P.SegmentStarted | P.SegmentDone):
+            return self._segment(msg)
         if isinstance(msg, P.ErrorMessage) and (msg.fatal or msg.utterance_id is None):
             return self._fail_code(msg.code)
         return []

@@ -152,7 +152,7 @@ async def test_stream_with_timestamps_lines_stay_small(make_gateway: GatewayFact
     shared out over them, all of them, in order."""
     import base64
 
-    from gateway.dialects.http import MAX_LINE_AUDIO_BYTES
+    from gateway.dialects.elevenlabs import MAX_LINE_AUDIO_BYTES
 
     text = "This one sentence runs on for a good while without any comma to cut it at all " * 2
     async with make_gateway(FakeSpeechEngine(ms_per_char=40.0)) as server:
