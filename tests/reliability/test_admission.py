@@ -195,9 +195,10 @@ async def test_upgrade_on_unknown_path_has_one_content_length(path: str, make_ga
 
 def test_every_door_response_of_the_server_has_single_framing_headers() -> None:
     """Every route of gateway/server.py builds its response once (no appended duplicates)."""
-    from gateway.server import _text
+    from gateway.responses import text_response
 
-    for r in (_text(401, "x", [("WWW-Authenticate", "Bearer")]), _text(503, "y", [("Retry-After", "1")])):
+    for r in (text_response(401, "x", [("WWW-Authenticate", "Bearer")]),
+              text_response(503, "y", [("Retry-After", "1")])):
         names = [k.lower() for k, _ in r.headers.raw_items()]
         assert names.count("content-length") == 1 and names.count("content-type") == 1
 
