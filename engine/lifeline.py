@@ -26,8 +26,11 @@ The mechanism, per child process:
 
 ``voicegw serve`` itself is not armed (its parent is a shell or a service manager); it sets
 ``VOICEGW_LIFELINE`` to its pid (:func:`mark_root`) so that the processes it starts, directly
-or through vLLM, can check the race above. Forked children (``os.fork`` without exec) re-arm
-through ``os.register_at_fork`` (threads do not survive a fork).
+or through vLLM, can check the race above. Children forked (``os.fork``, no exec: vLLM's
+``fork`` start method, its default on CUDA while CUDA is not initialised) of the root or of an
+armed process arm through ``os.register_at_fork`` (no ``sitecustomize`` runs, no thread survives
+a fork). ``subprocess`` and multiprocessing's ``spawn`` run no fork hooks: their children arm
+at their start (``sitecustomize``, the decoder's entry).
 
 multiprocessing's resource tracker is not armed: it exits by itself once every process holding
 its pipe is gone, *after* removing what they leaked (named semaphores, shared memory).
@@ -51,10 +54,14 @@ POLL_S = 0.1
 _PR_SET_PDEATHSIG = 1
 
 _armed_pid: int | None = None
+_root_pid: int | None = None
 
 
 def mark_root() -> None:
-    """In ``voicegw serve``: the processes started from here on find this pid in ``ENV``."""
+    """In ``voicegw serve``: the processes started from here on find this pid in ``ENV``, and
+    the ones it forks (vLLM's engine core on CUDA: ``fork`` unless CUDA is initialised) arm."""
+    global _root_pid
+    _root_pid = os.getpid()
     os.environ[ENV] = str(os.getpid())
 
 
@@ -125,7 +132,9 @@ def arm(*, pdeathsig: bool | None = None) -> None:
 
 
 def _after_fork() -> None:
-    if _armed_pid is not None and _armed_pid != os.getpid():
+    """A forked child of an armed process or of the root runs no ``sitecustomize`` (no exec)
+    and inherits no thread: it arms here (a child that then execs loses the thread harmlessly)."""
+    if os.getpid() not in (_armed_pid, _root_pid) and (_armed_pid is not None or _root_pid is not None):
         arm(pdeathsig=False)
 
 

@@ -93,3 +93,32 @@ def test_only_dead_owners_shared_memory_files_are_removed(tmp_path: Path) -> Non
     removed = sorted(Path(p).name for p in remove_stale(tmp_path))
     assert removed == sorted([names["dead"], names["dead_audio"]])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(v for k, v in names.items() if not k.startswith("dead"))
+
+
+def test_a_child_forked_by_the_root_arms_and_dies_with_it() -> None:
+    """vLLM's ``fork`` start method (its default on CUDA): no ``sitecustomize`` in the child."""
+    script = textwrap.dedent("""
+        import os, time
+        from engine.lifeline import mark_root
+        mark_root()
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(60)
+            os._exit(0)
+        print(pid, flush=True)
+        time.sleep(60)
+    """)
+    root = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert root.stdout is not None
+        child = int(root.stdout.readline())
+        root.send_signal(signal.SIGKILL)
+        root.wait()
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and _alive(child):
+            time.sleep(0.05)
+        assert not _alive(child)
+    finally:
+        root.kill()
+        root.wait()
