@@ -25,6 +25,7 @@ import psutil
 import pytest
 
 from engine.shm import shm_dir
+from tests.engine.test_group import NO_ANSWER
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [
@@ -52,7 +53,20 @@ def _health(port: int) -> dict[str, Any] | None:
 
 def _start(model_dir: Path, port: int, processes: int, log: Path, timeout_s: float = 300.0) -> subprocess.Popen[bytes]:
     """``voicegw serve`` in a session of its own (the test's fallback cleanup kills that process
-    group), returned once ``/healthz`` is healthy from every gateway process."""
+    group), returned once ``/healthz`` is healthy from every gateway process. A group that fails
+    with the known start failure of the 2-core CI host (``tests/engine/test_group.py``'s
+    ``NO_ANSWER``) is started once more, as a service manager would."""
+    try:
+        return _start_once(model_dir, port, processes, log, timeout_s)
+    except AssertionError:
+        if NO_ANSWER not in log.read_text():
+            raise
+        print(f"[kill9] start failed with {NO_ANSWER!r}; starting again", flush=True)
+        os.rename(log, log.with_name(log.stem + "-failed.log"))
+        return _start_once(model_dir, port, processes, log, timeout_s)
+
+
+def _start_once(model_dir: Path, port: int, processes: int, log: Path, timeout_s: float) -> subprocess.Popen[bytes]:
     args = [
         sys.executable, "-m", "voicegw.cli", "serve", "--gateway.port", str(port),
         "--gateway.processes", str(processes), "--gateway.shutdown_grace_s", "2",
