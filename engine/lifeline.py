@@ -5,8 +5,8 @@ The mechanism, per child process:
 
 * **A watchdog thread polling ``os.getppid()``** (every :data:`POLL_S`): when the parent process
   is gone the child is re-parented (to PID 1 or a sub-reaper), ``getppid()`` changes, and the
-  child SIGKILLs itself. Its own children then see *their* parent gone and follow, one poll
-  later per level (serve -> engine core -> worker: well under the 2 s promised).
+  child SIGKILLs its descendants, then itself (the descendants are armed too and would follow
+  one poll later per level, but under load every level adds a scheduling delay).
   This is the mechanism that always runs because it is immune to where the child was started
   from: ``prctl(PR_SET_PDEATHSIG)`` fires when the parent *thread* that forked the child exits,
   not the parent process, and vLLM's engine core is started from a worker thread
@@ -81,7 +81,35 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _descendants(pid: int) -> list[int]:
+    """``pid``'s descendants, children first (``/proc/<pid>/task/*/children``; [] without it)."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            out.extend(kids)
+            todo.extend(kids)
+    return out
+
+
 def _die() -> None:
+    """SIGKILL this process's descendants (they would follow one watchdog poll per level; under
+    load each level costs a scheduling delay), then this process."""
+    for pid in _descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
     os.kill(os.getpid(), signal.SIGKILL)
     os._exit(137)  # not reached
 
