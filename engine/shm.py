@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import secrets
 from pathlib import Path
 
@@ -21,8 +22,53 @@ def shm_dir() -> Path:
 
 
 def new_path(kind: str) -> str:
-    """A fresh file name under :func:`shm_dir` for this process."""
+    """A fresh file name under :func:`shm_dir` for this process: ``voicegw-<kind>-<owner pid>-<hex>``
+    (:func:`remove_stale` reads the owner back)."""
     return str(shm_dir() / f"voicegw-{kind}-{os.getpid()}-{secrets.token_hex(6)}")
+
+
+_NAME = re.compile(r"voicegw-([a-z]+)-(\d+)-([0-9a-f]{12})")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def remove_stale(directory: Path | None = None) -> list[str]:
+    """Remove the files :func:`new_path` named for owners that are dead (a run killed by SIGKILL
+    leaves its frame table and decoder samples file behind); returns the paths removed.
+
+    Only ``voicegw-<kind>-<pid>-<12 hex>`` files of this user whose owner pid does not exist are
+    touched: a live run's files (any owner pid that exists, even a reused one), other users' and
+    other programs' files stay. Owner pids are this pid namespace's: hosts that share ``/dev/shm``
+    between pid namespaces (containers given the host's) must not run two gateways' sweeps."""
+    d = directory or shm_dir()
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(d))
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for entry in entries:
+        m = _NAME.fullmatch(entry.name)
+        if m is None or int(m.group(2)) == os.getpid():
+            continue
+        try:
+            if not entry.is_file(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+            if _pid_alive(int(m.group(2))):
+                continue
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        removed.append(entry.path)
+    return removed
 
 
 def create_file(path: str, nbytes: int) -> None:

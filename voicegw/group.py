@@ -31,6 +31,9 @@ uses), not a broker of ours:
 * **Failure**: vLLM's front end cannot restart an engine core it did not launch. When the engine
   core or any gateway process dies, this process stops the others (1012 to clients: reconnect and
   resume) and exits 1, for the service manager to start the group again.
+* **Death of this process** (``kill -9`` included): every process of the group (engine core and
+  its workers, gateway processes, the decoder) dies with it within a second (``engine.lifeline``);
+  the next start removes the shared-memory files left behind (``engine.shm.remove_stale``).
 * **Shutdown**: SIGINT/SIGTERM go to every gateway process (graceful drain, ``shutdown_grace_s``;
   a second signal skips the grace), then the engine core stops.
 
@@ -65,6 +68,9 @@ _EXIT_SLACK_S = 15.0
 
 def _gateway_process(cfg: Config, shared: SharedClient) -> None:
     """One gateway process of the group (the target of a spawned process)."""
+    from engine.lifeline import arm
+
+    arm()  # normally done by the vLLM boot sitecustomize already: dies with the launcher
     from engine.build import build_speech_engine
     from gateway.app import configure_logging, run_gateway
 
@@ -123,7 +129,8 @@ def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameT
         for i, c in enumerate(configs):
             shared = SharedClient(c, i, n, table.spec.to_env(), i * per, (i + 1) * per, loads, shares[i])
             p = ctx.Process(target=_gateway_process, args=(cfg, shared), name=f"voicegw-gateway-{i}")
-            p.start()
+            with _lifeline_env():  # started from this thread: PR_SET_PDEATHSIG is safe there
+                p.start()
             procs.append(p)
         return procs
 
@@ -165,6 +172,22 @@ def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameT
                 decoder.kill()
                 decoder.wait()
     return code
+
+
+@contextlib.contextmanager
+def _lifeline_env() -> Iterator[None]:
+    """``engine.lifeline.child_env()`` in this process's environment while a child is spawned."""
+    from engine.lifeline import ENV, child_env
+
+    old = os.environ.get(ENV)
+    os.environ.update(child_env())
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = old
 
 
 class _Signals:

@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 from voicegw.config import Config, on_cuda
 
 log = logging.getLogger("voicegw")
+
+#: A port in use at start is asked again for this long: the processes of a run killed just before
+#: (``kill -9``, then a restart) release it within a second of its death (``engine.lifeline``).
+PORT_WAIT_S = 2.0
+IN_USE = "address already in use"
 
 
 def serve(cfg: Config) -> int:
@@ -16,7 +22,13 @@ def serve(cfg: Config) -> int:
     from gateway.app import configure_logging, run_gateway
 
     configure_logging(cfg.gateway)
+    _take_over()
     problem = _port_problem(cfg.gateway.host, cfg.gateway.port)
+    deadline = time.monotonic() + PORT_WAIT_S
+    while problem == IN_USE and time.monotonic() < deadline:
+        # a run killed just now: its processes follow it within a second (engine.lifeline)
+        time.sleep(0.1)
+        problem = _port_problem(cfg.gateway.host, cfg.gateway.port)
     if problem:  # before the engine's start (tens of seconds), not after
         log.error("cannot listen on %s:%d: %s", cfg.gateway.host, cfg.gateway.port, problem)
         return 2
@@ -100,6 +112,19 @@ def _serve_group(cfg: Config) -> int:
     return serve_group(cfg, str(model_dir))
 
 
+def _take_over() -> None:
+    """Before anything starts: every process started from here on dies with this one
+    (``engine.lifeline``: a ``kill -9`` of ``voicegw serve`` leaves no engine core, worker, decoder
+    or gateway process behind), and the shared-memory files of a run that died are removed
+    (``engine.shm.remove_stale``: owner pid in the name, dead owners only)."""
+    from engine.lifeline import mark_root
+    from engine.shm import remove_stale
+
+    mark_root()
+    for path in remove_stale():
+        log.info("removed %s, left by a run that died", path)
+
+
 def _port_problem(host: str, port: int) -> str | None:
     """Why ``host:port`` cannot be listened on (None: it can, as of now)."""
     import errno
@@ -115,5 +140,5 @@ def _port_problem(host: str, port: int) -> str | None:
             try:
                 s.bind(addr)
             except OSError as exc:
-                return "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+                return IN_USE if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
     return None

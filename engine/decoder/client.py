@@ -452,7 +452,9 @@ def spawn_worker(s: DecoderSettings, theirs: list[socket.socket], shm_path: str,
         "max_steps": s.max_steps, "torch_threads": s.torch_threads, "out_cap_steps": s.job_cap_steps,
         "shm_path": shm_path,
     }
-    env = {**os.environ, **s.env}
+    from engine.lifeline import child_env
+
+    env = {**os.environ, **s.env, **child_env()}  # the worker dies with this process (engine.lifeline)
     env.pop("VOICEGW_VLLM_BOOT", None)  # vLLM's child boot (set while an engine core starts) is not ours
     py_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not p.endswith("_boot")]
     env["PYTHONPATH"] = os.pathsep.join([_ROOT, *py_path])

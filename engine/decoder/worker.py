@@ -356,6 +356,9 @@ def serve(args: dict[str, Any], socks: list[socket.socket]) -> None:
 def main() -> None:
     import signal
 
+    from engine.lifeline import arm
+
+    arm()  # dies with its parent (the gateway process or the group's launcher), SIGKILL included
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway shuts it down by closing the socket
     args = json.loads(sys.argv[1])
     socks = [socket.socket(fileno=int(fd)) for fd in args["fds"]]
