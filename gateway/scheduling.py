@@ -23,6 +23,9 @@ from dataclasses import dataclass
 
 from gateway.config import SchedulerConfig
 
+#: The longest ``retry_after_ms`` a refusal carries (docs/protocol.md; clients cap their wait there too).
+MAX_RETRY_AFTER_MS = 5_000
+
 #: Error code of an admission refusal: the gateway's ``error`` message ``code``
 #: (``gateway.protocol.ErrorCode.ENGINE_OVERLOADED``; a test keeps them equal).
 OVERLOADED_CODE = "engine_overloaded"
@@ -210,7 +213,7 @@ class AdmissionController:
                 estimate,
                 limit,
                 code=OVERLOADED_CODE,
-                retry_after_ms=math.ceil(estimate - limit),
+                retry_after_ms=min(MAX_RETRY_AFTER_MS, math.ceil(estimate - limit)),
                 reason=f"estimated time to first audio {estimate:.0f} ms > {limit:.0f} ms",
             )
         if self.max_step_ms is not None:
@@ -222,7 +225,7 @@ class AdmissionController:
                     estimate,
                     limit,
                     code=OVERLOADED_CODE,
-                    retry_after_ms=math.ceil((step - self.max_step_ms) * self._segment_steps),
+                    retry_after_ms=min(MAX_RETRY_AFTER_MS, math.ceil((step - self.max_step_ms) * self._segment_steps)),
                     reason=f"step time at batch {batch} {step:.1f} ms > {self.max_step_ms:.1f} ms",
                 )
         return AdmissionDecision(True, estimate, limit, reason="within target")

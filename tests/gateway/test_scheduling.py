@@ -114,6 +114,17 @@ def test_full_batch_queue_wait_and_refusal() -> None:
     assert "ms" in d.reason
 
 
+def test_retry_after_is_capped_at_the_documented_maximum() -> None:
+    """A deep queue refuses with ``retry_after_ms`` of at most 5000 (docs/protocol.md), not the
+    estimate's whole excess (5,775 was seen at 400 sessions)."""
+    from gateway.scheduling import MAX_RETRY_AFTER_MS
+
+    ac = _controller()
+    d = ac.decide(EngineLoad(running=8, waiting_ahead=400, max_num_seqs=8))
+    assert not d.admit and ac.estimate_ttfa_ms(EngineLoad(running=8, waiting_ahead=400, max_num_seqs=8)) > 10_000
+    assert d.retry_after_ms == MAX_RETRY_AFTER_MS == 5_000
+
+
 def test_estimate_monotone_in_queue() -> None:
     ac = _controller()
     ests = [ac.estimate_ttfa_ms(EngineLoad(running=8, waiting_ahead=w, max_num_seqs=8)) for w in range(20)]
