@@ -857,11 +857,12 @@ class Session:
             if not u.input_done or any(s.utt is u for s in self._streams):
                 return
             status = P.UtteranceStatus.OK if u.failed is None else P.UtteranceStatus.ERROR
+            started = sum(1 for seg in u.segments if seg.announced)  # a refused segment never started
             msg = P.UtteranceDone(utterance_id=u.id, status=status, samples=u.sent, duration_ms=self._ms(u.sent),
-                                  segments=len(u.segments), error=u.failed)
+                                  segments=started, error=u.failed)
             out.append(SendMessage(msg))
             self._obs.utterance_finished(status.value)
-            self.log.info("utterance %d %s: %d segments, %.0f ms audio", u.id, status.value, len(u.segments),
+            self.log.info("utterance %d %s: %d segments, %.0f ms audio", u.id, status.value, started,
                           msg.duration_ms, extra={"utterance": u.id})
             self._utterances.popleft()
             self._history.append(u)

@@ -307,7 +307,8 @@ def test_overload_and_unrecoverable():
     acts = h.feed(h.s.on_engine_error(h.now, st.request.request_id, EngineFailure.OVERLOADED, 120.4))
     err = messages(acts, "error")[0]
     assert err["code"] == "engine_overloaded" and err["retry_after_ms"] == 121
-    h.msg({"type": "text.end"})
+    (done,) = messages(h.msg({"type": "text.end"}), "utterance.done")
+    assert done["status"] == "error" and done["segments"] == 0 and done["samples"] == 0  # none started
     (st,) = starts(h.msg({"type": "text.delta", "text": "Hello world, more"}))
     acts = h.feed(h.s.on_engine_error(h.now, st.request.request_id, EngineFailure.UNRECOVERABLE))
     assert messages(acts, "error")[0]["code"] == "engine_unavailable"
