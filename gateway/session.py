@@ -872,7 +872,8 @@ class Session:
                         retry_after_ms: float | None = None) -> None:
         if utt.failed is not None:
             return
-        self.log.warning("utterance %d failed: %s", utt.id, code.value, extra={"utterance": utt.id})
+        if code is not P.ErrorCode.ENGINE_OVERLOADED:  # the server logs a refusal once, with its reason
+            self.log.warning("utterance %d failed: %s", utt.id, code.value, extra={"utterance": utt.id})
         utt.failed = code
         dropped = 0
         for s in [s for s in self._streams if s.utt is utt]:

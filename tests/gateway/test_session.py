@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any
 
@@ -300,7 +301,7 @@ def test_engine_error_fails_the_utterance_only():
     assert starts(h.msg({"type": "text.delta", "text": "Next utterance, works."}))
 
 
-def test_overload_and_unrecoverable():
+def test_overload_and_unrecoverable(caplog: pytest.LogCaptureFixture) -> None:
     h = Harness()
     h.start()
     (st,) = starts(h.msg({"type": "text.delta", "text": "Hello world, more"}))
@@ -309,6 +310,8 @@ def test_overload_and_unrecoverable():
     assert err["code"] == "engine_overloaded" and err["retry_after_ms"] == 121
     (done,) = messages(h.msg({"type": "text.end"}), "utterance.done")
     assert done["status"] == "error" and done["segments"] == 0 and done["samples"] == 0  # none started
+    # the refusal is logged once, by the server with its reason; the session core adds no second warning
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "engine_overloaded" in r.getMessage()]
     (st,) = starts(h.msg({"type": "text.delta", "text": "Hello world, more"}))
     acts = h.feed(h.s.on_engine_error(h.now, st.request.request_id, EngineFailure.UNRECOVERABLE))
     assert messages(acts, "error")[0]["code"] == "engine_unavailable"
