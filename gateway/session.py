@@ -632,6 +632,9 @@ class Session:
         if target is None and self._utterances:
             target = self._utterances[0]
         stopped = tuple(u.id for u in self._utterances)
+        if target is not None and target not in self._utterances and target.session_start is not None \
+                and pos < target.session_start + target.sent:
+            stopped = (target.id, *stopped)  # all sent (done) but still playing: its unplayed audio is cut too
         reply = P.Cancelled(utterance_id=None, cancelled_utterances=stopped, id=msg.id)
         if target is not None:
             played = 0

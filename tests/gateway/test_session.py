@@ -269,6 +269,22 @@ def test_cancel_of_one_utterance_leaves_the_others():
     assert h.s.busy
 
 
+def test_cancel_of_a_done_utterance_still_playing_names_it_stopped():
+    """All of an utterance's audio sent (``utterance.done`` out) but still playing: ``cancel`` cuts
+    its unplayed audio, so it is listed in ``cancelled_utterances`` (was ``[]``)."""
+    h = Harness(limits={"flow_window_ms": 10_000})
+    h.start()
+    (st,) = starts(h.msg({"type": "text.delta", "text": "Hello there, "}))
+    acts = h.msg({"type": "text.end"}) + h.audio(st.request.request_id, 1000, finished=True)
+    (done,) = messages(acts, "utterance.done")
+    assert done["status"] == "ok" and not h.s.busy
+    (c,) = messages(h.msg({"type": "cancel", "played_samples": 517 * MS}), "cancelled")
+    assert c["utterance_id"] == 1 and c["played_ms"] == 517.0 and c["cancelled_utterances"] == [1]
+    # played out entirely: nothing is cut, nothing is listed
+    (c,) = messages(h.msg({"type": "cancel", "played_samples": 1000 * MS}), "cancelled")
+    assert c["cancelled_utterances"] == []
+
+
 def test_cancel_with_nothing_playing():
     h = Harness()
     h.start()
