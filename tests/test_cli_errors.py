@@ -42,6 +42,15 @@ def test_say_without_a_gateway_says_what_to_run(tmp_path: Path) -> None:
     assert "voicegw serve" in text and "--port" in text
 
 
+def test_chat_without_a_gateway_says_what_to_run_like_say() -> None:
+    out = subprocess.run([sys.executable, "-m", "voicegw.cli", "chat", "--port", str(_free_port())], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, input="hi\n")
+    text = out.stdout + out.stderr
+    assert out.returncode == 1 and "Traceback" not in text and "Errno" not in text
+    assert text.strip().count("\n") == 0, text
+    assert "voicegw chat: no gateway answers" in text and "voicegw serve" in text
+
+
 def test_serve_on_a_taken_port_fails_before_the_engine_starts() -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

@@ -89,6 +89,8 @@ async def chat(
         client = Client(url, token=token, voice=voice, sample_rate_hz=sample_rate_hz, playback=mode)
         session = await client.connect()
     except VoicegwError as exc:
+        if exc.code == "handshake_failed":
+            raise  # the command line says it in one line, as for `say`
         say_line(f"voicegw: {exc}")
         return 1
     say_line(f"connected to {client.url} (engine {session.get('engine')}, {sample_rate_hz} Hz). "
