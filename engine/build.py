@@ -95,11 +95,7 @@ def build_speech_engine(cfg: EngineConfig, *, shared: Any = None) -> SpeechEngin
         except ModelNotFound as exc:
             if cfg.backend != "auto" or cfg.model_dir or cfg.download:
                 raise  # a model was asked for: fail, never serve something else in its place
-            log.warning(
-                "%s -- serving with the eSpeak NG engine instead of ChatTTS (engine.backend auto). "
-                "To serve ChatTTS: --model-dir DIR (upstream layout) or --download (needs network).",
-                exc,
-            )
+            log.warning("%s Serving with the eSpeak NG engine instead of ChatTTS (engine.backend auto).", exc)
         else:
             return _chattts(cfg, model_dir, shared)
     from engine.espeak import EspeakSpeech

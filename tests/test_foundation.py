@@ -234,3 +234,5 @@ def test_serve_without_weights_falls_back_to_espeak(tmp_path: Path) -> None:
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
     assert "WARNING" in out and "ChatTTS weights not found" in out
+    warning = next(line for line in out.splitlines() if "ChatTTS weights not found" in line)
+    assert warning.count("--model-dir") == 1 and warning.count("--download") == 1  # the fix once
