@@ -230,7 +230,7 @@ class GatewayServer:
         if request.method != "GET":
             return text_response(405, "method not allowed", [("Allow", "GET")])
         if not upgrade:
-            if path.startswith("/v1/"):  # the dialects' listings, and their 404s, as JSON
+            if path.startswith(("/v1/", "/v2/")):  # the dialects' listings, and their 404s, as JSON
                 return dialects.get_listing(self, request, parts.path, parts.query)
             return self._http(path)
         if path != P.WS_PATH:

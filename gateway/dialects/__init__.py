@@ -55,14 +55,14 @@ _DEEPGRAM_SUBPROTOCOLS = ("token", "bearer")
 
 
 def get_listing(server: Host, request: Request, path: str, query: str) -> Response:
-    """``GET /v1/...`` without an upgrade: a listing or a 404, in the asking client's shape."""
+    """``GET /v1/...`` or ``/v2/...`` without an upgrade: a listing or a 404, in the asking client's shape."""
     tokens = server.config.gateway.auth_tokens
     if tokens and not token_matches(_credentials(request.headers, query), tokens):
         server.metrics.rejected.labels("auth").inc()
         who = listings.vendor(request.headers)
         return refusal_response(refusals.unauthorized(who, str(uuid.uuid4()) if who == "deepgram" else ""))
     rid = request_id()
-    status, obj = listings.answer(path, request.headers, rid)
+    status, obj = listings.answer(path, request.headers, rid, query)
     return json_response(status, obj, [("x-request-id", rid)])
 
 

@@ -291,7 +291,12 @@ class HttpExchangeProtocol(asyncio.Protocol):
         method = req.method.decode("ascii", "replace")
         self.vendor = refusals.vendor_of(parts.path)
         if self.vendor is None:
-            if parts.path.startswith("/v1/"):
+            if parts.path.startswith(("/v1/", "/v2/")):  # 404 in the shape of the client's vendor (by its key)
+                if _header(req, b"xi-api-key") is not None:
+                    return refusals.refusal("elevenlabs", 404, "not_found", f"{parts.path[:256]} not found")
+                if (_header(req, b"authorization") or "").partition(" ")[0].lower() == "token":
+                    return refusals.refusal("deepgram", 404, "NOT_FOUND", f"{parts.path[:256]} not found",
+                                            request_id=self.request_id)
                 return openai.ApiError(404, f"Invalid URL ({method} {parts.path[:256]})")
             return _Plain(405, "method not allowed", (("Allow", "GET"),))
         if method != "POST":
