@@ -118,6 +118,10 @@ def process_request(server: Host, request: Request) -> Response | None:
         return text_response(400, "bad request target")
     dialect = _dialect_of(parts.path)
     if dialect is None:
+        if parts.path.startswith(("/v1/", "/v2/")):  # in the shape of the client's vendor, as a GET's
+            rid = request_id()
+            status, obj = listings.not_found(listings.vendor(request.headers), parts.path, rid)
+            return json_response(status, obj, [("x-request-id", rid)])
         return text_response(404, "not found")
     rid = str(uuid.uuid4()) if dialect == "deepgram" else ""
     try:

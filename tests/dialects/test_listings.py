@@ -149,3 +149,16 @@ async def test_openai_models_retrieve(fake_engine: FakeSpeechEngine, make_gatewa
         with pytest.raises(openai.NotFoundError) as exc:
             await oa.models.retrieve("whisper-9")
         assert exc.value.body["code"] == "model_not_found"  # type: ignore[index]
+
+
+async def test_websocket_handshake_on_an_unknown_v2_path_is_a_json_404(fake_engine: FakeSpeechEngine,
+                                                                       make_gateway: GatewayFactory) -> None:
+    from websockets.exceptions import InvalidStatus
+
+    async with make_gateway(fake_engine) as server:
+        with pytest.raises(InvalidStatus) as exc:
+            async with connect(f"ws://127.0.0.1:{server.port}/v2/nope", open_timeout=5,
+                               additional_headers={"xi-api-key": "k"}):
+                pass
+        assert exc.value.response.status_code == 404
+        assert orjson.loads(exc.value.response.body)["detail"]["status"] == "not_found"
