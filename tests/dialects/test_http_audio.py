@@ -167,3 +167,57 @@ async def test_stream_with_timestamps_lines_stay_small(make_gateway: GatewayFact
     assert chars == text.strip()
     starts = [t for x in lines for t in x["alignment"]["character_start_times_seconds"]]
     assert starts == sorted(starts)
+
+
+def _sdk_output_formats() -> tuple[str, ...]:
+    import typing
+
+    from elevenlabs.text_to_speech.types.text_to_speech_convert_request_output_format import (
+        TextToSpeechConvertRequestOutputFormat,
+    )
+    literal = typing.get_args(TextToSpeechConvertRequestOutputFormat)[0]
+    return typing.get_args(literal)
+
+
+async def test_elevenlabs_every_sdk_output_format_is_served(fake_engine: FakeSpeechEngine,
+                                                            make_gateway: GatewayFactory) -> None:
+    """Every value of the SDK's own output_format enum: the right container and rate."""
+    import base64
+    import struct
+
+    from elevenlabs.client import ElevenLabs
+
+    from gateway.dialects.elevenlabs import served_formats
+
+    formats = _sdk_output_formats()
+    assert {"wav_16000", "wav_24000", "pcm_32000", "mp3_24000_48"} <= set(formats)
+    async with make_gateway(fake_engine) as server:
+        client = ElevenLabs(api_key="xi-test", base_url=server.url)
+        for fmt in formats:
+            kind, rate = fmt.split("_")[0], int(fmt.split("_")[1])
+            if (kind == "mp3" and not mp3_available()) or (kind == "opus" and fmt not in served_formats()):
+                continue
+            data = await asyncio.to_thread(lambda f=fmt: b"".join(client.text_to_speech.convert(  # type: ignore[misc]
+                voice_id=RACHEL, text="Hello there.", output_format=f)))
+            assert data, fmt
+            if kind == "wav":
+                assert data[:4] == b"RIFF" and data[8:16] == b"WAVEfmt ", fmt
+                tag, channels, got_rate, _, _, bits = struct.unpack("<HHIIHH", data[20:36])
+                assert (tag, channels, got_rate, bits) == (1, 1, rate, 16), fmt
+                assert len(data) > 44 and (len(data) - 44) % 2 == 0, fmt
+            elif kind == "pcm":
+                assert len(data) % 2 == 0 and data[:4] != b"RIFF", fmt
+            elif kind == "mp3":
+                frames, _, got_rate = mp3_duration(data)
+                assert frames > 0 and got_rate == rate, fmt
+                assert ((int.from_bytes(data[:4], "big") >> 12) & 0xF) > 0, fmt
+            elif kind == "opus":
+                assert data[:4] == b"OggS", fmt
+            else:
+                assert kind in ("ulaw", "alaw") and data[:4] != b"RIFF", fmt
+        # with-timestamps: the WAV header starts the (base64) audio
+        async with httpx.AsyncClient(timeout=30) as http:
+            r = await http.post(f"{server.url}/v1/text-to-speech/{RACHEL}/with-timestamps?output_format=wav_16000",
+                                json={"text": "Hello there."}, headers={"xi-api-key": "k"})
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+        assert base64.b64decode(r.json()["audio_base64"])[:4] == b"RIFF"
