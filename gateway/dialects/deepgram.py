@@ -235,11 +235,13 @@ def parse_http(query: str, raw: bytes, max_chars: int) -> AudioRequest:
     if q.get("speed", "").endswith(".0"):  # SDKs send floats: "1.0" (sample_rate: parse_rate)
         q["speed"] = q["speed"][:-2]
     encoding = q.get("encoding") or "mp3"
-    container = q.get("container") or {"linear16": "wav", "opus": "ogg"}.get(encoding, "none")
+    # Deepgram REST's default container: wav for linear16, mulaw and alaw; ogg for opus
+    container = q.get("container") or {"linear16": "wav", "mulaw": "wav", "alaw": "wav", "opus": "ogg"}.get(
+        encoding, "none")
     if encoding not in HTTP_AV and (container not in ("none", "wav") or container == "wav"
-                                    and encoding != "linear16"):
+                                    and encoding not in ("linear16", "mulaw", "alaw")):
         raise DeepgramError(400, "UNSUPPORTED_CONTAINER", f"container {container!r} is not supported for "
-                            f"{encoding}; use none (or wav with linear16)", request_id=rid)
+                            f"{encoding}; use none (or wav with linear16, mulaw or alaw)", request_id=rid)
     if encoding in HTTP_AV:
         if not av_available():
             raise DeepgramError(400, "UNSUPPORTED_ENCODING", f"{encoding} needs the av package on this server; "

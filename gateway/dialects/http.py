@@ -144,7 +144,7 @@ class AudioResponder:
         self.head_sent = True
         out: list[HttpOut] = [Head(200, (("Content-Type", self._content_type()), *self.req.headers))]
         if self.req.wav:
-            out.append(Body(wav_stream_header(self.req.fmt.rate_hz)))
+            out.append(Body(wav_stream_header(self.req.fmt.rate_hz, encoding=self.req.fmt.encoding)))
         return out
 
     def on_server_audio(self, header: P.AudioFrameHeader, pcm16: bytes) -> list[HttpOut]:

@@ -5,6 +5,7 @@ the base URL and key changed; errors in each vendor's shape."""
 from __future__ import annotations
 
 import asyncio
+import struct
 from typing import Any
 
 import httpx
@@ -79,16 +80,24 @@ async def test_elevenlabs_http_default_mp3_and_errors(fake_engine: FakeSpeechEng
 @pytest.mark.parametrize("kwargs,rate,wav", [({"encoding": "linear16", "sample_rate": 24000}, 24_000, True),
                                              ({"encoding": "linear16", "sample_rate": 16000, "container": "none"},
                                               16_000, False),
-                                             ({"encoding": "mulaw", "sample_rate": 8000}, 8_000, False)])
+                                             ({"encoding": "mulaw", "sample_rate": 8000}, 8_000, True),
+                                             ({"encoding": "alaw", "sample_rate": 8000}, 8_000, True),
+                                             ({"encoding": "mulaw", "sample_rate": 8000, "container": "none"},
+                                              8_000, False)])
 async def test_deepgram_sdk_rest_generate(counting_engine: CountingEngine, make_gateway: GatewayFactory,
                                           kwargs: dict[str, Any], rate: int, wav: bool) -> None:
     async with make_gateway(counting_engine) as server:
         chunks = [c async for c in _dg(server).speak.v1.audio.generate(text=TEXT, model="aura-2-thalia-en", **kwargs)]
         audio = b"".join(chunks)
         header = 44 if wav else 0
-        if wav:
+        per_sample = 1 if kwargs["encoding"] in ("mulaw", "alaw") else 2
+        if wav:  # Deepgram REST's default container for linear16, mulaw and alaw
             assert audio[:4] == b"RIFF" and audio[8:12] == b"WAVE"
-        per_sample = 1 if kwargs["encoding"] == "mulaw" else 2
+            tag, channels, got_rate, _, _, bits = struct.unpack("<HHIIHH", audio[20:36])
+            want_tag = {"linear16": 1, "mulaw": 7, "alaw": 6}[kwargs["encoding"]]
+            assert (tag, channels, got_rate, bits) == (want_tag, 1, rate, 8 * per_sample)
+        else:
+            assert audio[:4] != b"RIFF"
         assert len(audio) - header == per_sample * counting_engine.total_samples > 0
         assert {r.speaker for r in counting_engine.requests} == {DEEPGRAM["aura-2-thalia-en"]}
         assert counting_engine.rates == {rate if rate != 8_000 else 8_000}
@@ -183,7 +192,6 @@ async def test_elevenlabs_every_sdk_output_format_is_served(fake_engine: FakeSpe
                                                             make_gateway: GatewayFactory) -> None:
     """Every value of the SDK's own output_format enum: the right container and rate."""
     import base64
-    import struct
 
     from elevenlabs.client import ElevenLabs
 
