@@ -220,6 +220,10 @@ class GatewayServer:
             return Subprotocol(P.SUBPROTOCOL)
         return dialects.select_subprotocol(conn, offered)
 
+    @property
+    def engine_name(self) -> str:
+        return self.settings.engine_name
+
     def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
         try:
             parts = urlsplit(request.path)

@@ -184,7 +184,8 @@ def adapt(server: Host, ws: ServerConnection | Transport) -> Transport:
     parts = urlsplit(ws.request.path)
     dialect = _dialect_of(parts.path)
     if dialect == "deepgram":
-        return DialectSocket(ws, deepgram.DeepgramTranslator(deepgram.parse_query(parts.query)))
+        return DialectSocket(ws, deepgram.DeepgramTranslator(deepgram.parse_query(parts.query),
+                                                             model_version=deepgram.model_version(server.engine_name)))
     if dialect == "elevenlabs":
         tokens = server.config.gateway.auth_tokens
         check = None

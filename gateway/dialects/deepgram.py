@@ -45,6 +45,13 @@ RATES_HZ: Final[dict[str, tuple[int, ...]]] = {
 DEFAULT_RATE_HZ: Final[dict[str, int]] = {"linear16": 24_000, "mulaw": 8_000, "alaw": 8_000}
 _ENCODINGS: Final = {"linear16": "pcm16", "mulaw": "mulaw", "alaw": "alaw"}
 MODEL_VERSION: Final = "voicegw-chattts"
+"""``Metadata.model_version`` when the serving engine is not known (see ``model_version``)."""
+
+
+def model_version(engine_name: str) -> str:
+    """``Metadata.model_version``: names the engine that serves (``voicegw-chattts-vllm``,
+    ``voicegw-espeak`` ...)."""
+    return f"voicegw-{engine_name}" if engine_name else MODEL_VERSION
 #: Query parameters accepted and ignored.
 IGNORED_PARAMS: Final = frozenset({"mip_opt_out", "tag", "callback", "callback_method", "bit_rate",
                                    "container"})
@@ -118,8 +125,9 @@ def _warning(code: str, description: str) -> str:
 class DeepgramTranslator:
     """One ``/v1/speak`` connection (see the module docstring)."""
 
-    def __init__(self, options: Options, request_id: str | None = None) -> None:
+    def __init__(self, options: Options, request_id: str | None = None, model_version: str = MODEL_VERSION) -> None:
         self.options = options
+        self.model_version = model_version
         self.request_id = request_id or str(uuid.uuid4())
         self.encoder = Encoder(options.fmt)
         self.turns = Turns()
@@ -135,7 +143,7 @@ class DeepgramTranslator:
         o = self.options
         start = session_start(o.fmt.session_rate_hz, o.speaker, o.language)
         meta = {"type": "Metadata", "request_id": self.request_id, "model_name": o.model,
-                "model_version": MODEL_VERSION, "model_uuid": str(uuid.uuid5(uuid.NAMESPACE_URL, o.model))}
+                "model_version": self.model_version, "model_uuid": str(uuid.uuid5(uuid.NAMESPACE_URL, o.model))}
         return Step(to_session=[start], to_client=[_json(meta)])
 
     # ---- client -> session ------------------------------------------------------------------
