@@ -27,6 +27,8 @@ import base64
 import dataclasses
 import math
 import re
+import secrets
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -573,8 +575,10 @@ class ElevenLabsError(VendorError):
         return orjson.dumps({"detail": {"status": self.code, "message": self.message}})
 
 
-def parse_http(path: str, query: str, raw: bytes, max_chars: int) -> AudioRequest:
-    """``POST /v1/text-to-speech/{voice_id}[/stream]``; raises ElevenLabsError."""
+def parse_http(path: str, query: str, raw: bytes, max_chars: int, request_id: str = "") -> AudioRequest:
+    """``POST /v1/text-to-speech/{voice_id}[/stream]``; raises ElevenLabsError. The response
+    carries ElevenLabs' ``request-id`` (``request_id``: the gateway's ``x-request-id``),
+    ``character-cost`` (characters billed: the text's length) and ``history-item-id``."""
     m = HTTP_PATH_RE.match(path)
     if m is None:
         raise ElevenLabsError(404, "not_found", "not found")
@@ -608,7 +612,9 @@ def parse_http(path: str, query: str, raw: bytes, max_chars: int) -> AudioReques
         raise ElevenLabsError(422, "invalid_language_code", "language_code must be a language tag")
     return AudioRequest(text, speaker, fmt, ElevenLabsError, language, None if seed is None else seed % 2**31,
                         timestamps=m.group(3) is not None, stream=m.group(2) is not None,
-                        wav=fmt_name in WAV_FORMATS)
+                        wav=fmt_name in WAV_FORMATS,
+                        headers=(("request-id", request_id or uuid.uuid4().hex), ("character-cost", str(len(text))),
+                                 ("history-item-id", secrets.token_hex(10))))
 
 
 MAX_LINE_AUDIO_BYTES: Final = 65_536

@@ -347,7 +347,7 @@ class HttpExchangeProtocol(asyncio.Protocol):
                 responder = openai.SpeechResponder(body)
             elif self.vendor == "elevenlabs":
                 responder = elevenlabs.http_responder(elevenlabs.parse_http(
-                    parts.path, parts.query, bytes(self.body), lim.max_utterance_chars))
+                    parts.path, parts.query, bytes(self.body), lim.max_utterance_chars, self.request_id))
             else:
                 responder = AudioResponder(deepgram.parse_http(
                     parts.query, bytes(self.body), lim.max_utterance_chars))

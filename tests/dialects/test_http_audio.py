@@ -229,3 +229,16 @@ async def test_elevenlabs_every_sdk_output_format_is_served(fake_engine: FakeSpe
                                 json={"text": "Hello there."}, headers={"xi-api-key": "k"})
         assert r.status_code == 200 and r.headers["content-type"] == "application/json"
         assert base64.b64decode(r.json()["audio_base64"])[:4] == b"RIFF"
+
+
+@pytest.mark.parametrize("suffix", ["", "/stream", "/with-timestamps"])
+async def test_elevenlabs_http_response_headers(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory,
+                                                suffix: str) -> None:
+    """ElevenLabs' ``request-id``, ``character-cost`` (the characters billed) and ``history-item-id``."""
+    async with make_gateway(fake_engine) as server, httpx.AsyncClient(timeout=30) as http:
+        r = await http.post(f"{server.url}/v1/text-to-speech/{RACHEL}{suffix}?output_format=pcm_16000",
+                            json={"text": TEXT}, headers={"xi-api-key": "k"})
+        assert r.status_code == 200
+        assert r.headers["request-id"] == r.headers["x-request-id"]
+        assert r.headers["character-cost"] == str(len(TEXT))
+        assert len(r.headers["history-item-id"]) == 20

@@ -85,6 +85,7 @@ async def test_every_response_has_a_request_id(fake_engine: FakeSpeechEngine, ma
         raw = await oa.audio.speech.with_raw_response.create(model="tts-1", voice="alloy", input="Hi there.",
                                                              response_format="pcm")
         assert raw.headers["x-request-id"].startswith("req_")
+        assert int(raw.headers["openai-processing-ms"]) >= 0
         for path in ("/healthz", "/protocol.json"):
             status, headers, _ = await asyncio.to_thread(_get, server.url + path)
             assert status == 200 and headers["x-request-id"].startswith("req_")
