@@ -347,10 +347,11 @@ class HttpExchangeProtocol(asyncio.Protocol):
                 responder = openai.SpeechResponder(body)
             elif self.vendor == "elevenlabs":
                 responder = elevenlabs.http_responder(elevenlabs.parse_http(
-                    parts.path, parts.query, bytes(self.body), lim.max_utterance_chars, self.request_id))
+                    parts.path, parts.query, bytes(self.body),
+                    min(lim.max_utterance_chars, lim.elevenlabs_max_text_chars), self.request_id))
             else:
                 responder = AudioResponder(deepgram.parse_http(
-                    parts.query, bytes(self.body), lim.max_utterance_chars))
+                    parts.query, bytes(self.body), min(lim.max_utterance_chars, lim.deepgram_max_text_chars)))
         except (openai.ApiError, VendorError) as err:
             if isinstance(err, deepgram.DeepgramError):
                 err.request_id = self.request_id

@@ -242,3 +242,30 @@ async def test_elevenlabs_http_response_headers(fake_engine: FakeSpeechEngine, m
         assert r.headers["request-id"] == r.headers["x-request-id"]
         assert r.headers["character-cost"] == str(len(TEXT))
         assert len(r.headers["history-item-id"]) == 20
+
+
+async def test_vendor_text_limits(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory) -> None:
+    """ElevenLabs refuses text over 10,000 characters, Deepgram REST over 2,000, each in its shape;
+    the limits are configurable."""
+    async with make_gateway(fake_engine) as server, httpx.AsyncClient(timeout=30) as http:
+        reached = len(fake_engine.requests)
+        r = await http.post(f"{server.url}/v1/text-to-speech/{RACHEL}?output_format=pcm_16000",
+                            json={"text": "x" * 10_001}, headers={"xi-api-key": "k"})
+        assert r.status_code == 422 and r.json()["detail"]["status"] == "text_too_long", r.text
+        assert "10000" in r.json()["detail"]["message"]
+        r = await http.post(f"{server.url}/v1/speak?encoding=linear16", json={"text": "x" * 2_001},
+                            headers={"Authorization": "Token k"})
+        assert r.status_code == 400 and r.json()["err_code"] == "TEXT_TOO_LONG", r.text
+        assert r.json()["request_id"] and "2000" in r.json()["err_msg"]
+        assert len(fake_engine.requests) == reached  # refused before the engine
+        r = await http.post(f"{server.url}/v1/speak?encoding=linear16", json={"text": "Hi. " * 500},
+                            headers={"Authorization": "Token k"})
+        assert r.status_code == 200
+    async with make_gateway(fake_engine, limits={"deepgram_max_text_chars": 5, "elevenlabs_max_text_chars": 5}) \
+            as server, httpx.AsyncClient(timeout=30) as http:
+        r = await http.post(f"{server.url}/v1/speak", json={"text": "Hello there."},
+                            headers={"Authorization": "Token k"})
+        assert r.status_code == 400 and r.json()["err_code"] == "TEXT_TOO_LONG"
+        r = await http.post(f"{server.url}/v1/text-to-speech/{RACHEL}", json={"text": "Hello there."},
+                            headers={"xi-api-key": "k"})
+        assert r.status_code == 422
