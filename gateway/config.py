@@ -103,7 +103,7 @@ class LimitsConfig(Checked):
     """Per-connection and global limits (see SECURITY.md)."""
 
     _section: ClassVar[str] = "limits"
-    _positive: ClassVar[frozenset[str]] = frozenset({"max_sessions", "max_message_bytes", "max_utterance_chars", "max_chars_per_s", "max_messages_per_s", "idle_timeout_s", "flow_window_ms", "max_queued_utterances", "openai_max_input_chars"})
+    _positive: ClassVar[frozenset[str]] = frozenset({"max_sessions", "max_message_bytes", "max_utterance_chars", "max_chars_per_s", "max_messages_per_s", "idle_timeout_s", "flow_window_ms", "max_queued_utterances", "openai_max_input_chars", "elevenlabs_max_text_chars", "deepgram_max_text_chars"})
 
     max_sessions: int = 256
     """Concurrent sessions; over it: HTTP 503 at the handshake."""
@@ -123,6 +123,13 @@ class LimitsConfig(Checked):
     openai_max_input_chars: int = 4096
     """OpenAI dialect: longest ``input`` of ``POST /v1/audio/speech`` (OpenAI documents 4096
     characters); longer: 400 ``string_above_max_length``. ``max_utterance_chars`` still caps it."""
+    elevenlabs_max_text_chars: int = 10_000
+    """ElevenLabs dialect: longest ``text`` of ``POST /v1/text-to-speech/{voice_id}`` (ElevenLabs'
+    per-request limit, 10,000 characters); longer: 422 ``text_too_long``. ``max_utterance_chars``
+    still caps it."""
+    deepgram_max_text_chars: int = 2_000
+    """Deepgram dialect: longest ``text`` of ``POST /v1/speak`` (Deepgram documents 2,000
+    characters); longer: 400 ``TEXT_TOO_LONG``. ``max_utterance_chars`` still caps it."""
     max_queued_utterances: int = 16
     """Unfinished utterances a session may hold (queued behind the one speaking included); a new
     utterance beyond it is refused with ``queue_full`` (the wire's ``max_queued_utterances``)."""

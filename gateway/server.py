@@ -220,6 +220,10 @@ class GatewayServer:
             return Subprotocol(P.SUBPROTOCOL)
         return dialects.select_subprotocol(conn, offered)
 
+    @property
+    def engine_name(self) -> str:
+        return self.settings.engine_name
+
     def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
         try:
             parts = urlsplit(request.path)
@@ -230,7 +234,7 @@ class GatewayServer:
         if request.method != "GET":
             return text_response(405, "method not allowed", [("Allow", "GET")])
         if not upgrade:
-            if path.startswith("/v1/"):  # the dialects' listings, and their 404s, as JSON
+            if path.startswith(("/v1/", "/v2/")):  # the dialects' listings, and their 404s, as JSON
                 return dialects.get_listing(self, request, parts.path, parts.query)
             return self._http(path)
         if path != P.WS_PATH:

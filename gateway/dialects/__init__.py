@@ -55,14 +55,14 @@ _DEEPGRAM_SUBPROTOCOLS = ("token", "bearer")
 
 
 def get_listing(server: Host, request: Request, path: str, query: str) -> Response:
-    """``GET /v1/...`` without an upgrade: a listing or a 404, in the asking client's shape."""
+    """``GET /v1/...`` or ``/v2/...`` without an upgrade: a listing or a 404, in the asking client's shape."""
     tokens = server.config.gateway.auth_tokens
     if tokens and not token_matches(_credentials(request.headers, query), tokens):
         server.metrics.rejected.labels("auth").inc()
         who = listings.vendor(request.headers)
         return refusal_response(refusals.unauthorized(who, str(uuid.uuid4()) if who == "deepgram" else ""))
     rid = request_id()
-    status, obj = listings.answer(path, request.headers, rid)
+    status, obj = listings.answer(path, request.headers, rid, query)
     return json_response(status, obj, [("x-request-id", rid)])
 
 
@@ -118,6 +118,10 @@ def process_request(server: Host, request: Request) -> Response | None:
         return text_response(400, "bad request target")
     dialect = _dialect_of(parts.path)
     if dialect is None:
+        if parts.path.startswith(("/v1/", "/v2/")):  # in the shape of the client's vendor, as a GET's
+            rid = request_id()
+            status, obj = listings.not_found(listings.vendor(request.headers), parts.path, rid)
+            return json_response(status, obj, [("x-request-id", rid)])
         return text_response(404, "not found")
     rid = str(uuid.uuid4()) if dialect == "deepgram" else ""
     try:
@@ -180,7 +184,8 @@ def adapt(server: Host, ws: ServerConnection | Transport) -> Transport:
     parts = urlsplit(ws.request.path)
     dialect = _dialect_of(parts.path)
     if dialect == "deepgram":
-        return DialectSocket(ws, deepgram.DeepgramTranslator(deepgram.parse_query(parts.query)))
+        return DialectSocket(ws, deepgram.DeepgramTranslator(deepgram.parse_query(parts.query),
+                                                             model_version=deepgram.model_version(server.engine_name)))
     if dialect == "elevenlabs":
         tokens = server.config.gateway.auth_tokens
         check = None

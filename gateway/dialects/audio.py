@@ -245,12 +245,19 @@ class Encoder:
         return alaw_encode(pcm16)
 
 
-def wav_stream_header(rate_hz: int, channels: int = 1, bits: int = 16) -> bytes:
-    """A 44-byte PCM WAV header for a stream of unknown length (RIFF and data sizes 0xFFFFFFFF:
-    readers take the data as running to the end of the file)."""
+#: WAV format tags and bits per sample of the encodings a WAV header may carry.
+_WAV_TAGS: Final[dict[str, tuple[int, int]]] = {"pcm16": (1, 16), "mulaw": (7, 8), "alaw": (6, 8)}
+
+
+def wav_stream_header(rate_hz: int, channels: int = 1, bits: int = 16, encoding: str = "pcm16") -> bytes:
+    """A 44-byte WAV header (PCM16, or G.711 mu-law / A-law: format tag 7 / 6, 8 bits, for
+    ``encoding`` ``mulaw`` / ``alaw``) for a stream of unknown length (RIFF and data sizes
+    0xFFFFFFFF: readers take the data as running to the end of the file)."""
+    tag, enc_bits = _WAV_TAGS[encoding]
+    bits = bits if encoding == "pcm16" else enc_bits
     block = channels * bits // 8
     return (
         b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVE"
-        + b"fmt " + struct.pack("<IHHIIHH", 16, 1, channels, rate_hz, rate_hz * block, block, bits)
+        + b"fmt " + struct.pack("<IHHIIHH", 16, tag, channels, rate_hz, rate_hz * block, block, bits)
         + b"data" + struct.pack("<I", 0xFFFFFFFF)
     )

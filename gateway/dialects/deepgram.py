@@ -45,6 +45,13 @@ RATES_HZ: Final[dict[str, tuple[int, ...]]] = {
 DEFAULT_RATE_HZ: Final[dict[str, int]] = {"linear16": 24_000, "mulaw": 8_000, "alaw": 8_000}
 _ENCODINGS: Final = {"linear16": "pcm16", "mulaw": "mulaw", "alaw": "alaw"}
 MODEL_VERSION: Final = "voicegw-chattts"
+"""``Metadata.model_version`` when the serving engine is not known (see ``model_version``)."""
+
+
+def model_version(engine_name: str) -> str:
+    """``Metadata.model_version``: names the engine that serves (``voicegw-chattts-vllm``,
+    ``voicegw-espeak`` ...)."""
+    return f"voicegw-{engine_name}" if engine_name else MODEL_VERSION
 #: Query parameters accepted and ignored.
 IGNORED_PARAMS: Final = frozenset({"mip_opt_out", "tag", "callback", "callback_method", "bit_rate",
                                    "container"})
@@ -118,8 +125,9 @@ def _warning(code: str, description: str) -> str:
 class DeepgramTranslator:
     """One ``/v1/speak`` connection (see the module docstring)."""
 
-    def __init__(self, options: Options, request_id: str | None = None) -> None:
+    def __init__(self, options: Options, request_id: str | None = None, model_version: str = MODEL_VERSION) -> None:
         self.options = options
+        self.model_version = model_version
         self.request_id = request_id or str(uuid.uuid4())
         self.encoder = Encoder(options.fmt)
         self.turns = Turns()
@@ -135,7 +143,7 @@ class DeepgramTranslator:
         o = self.options
         start = session_start(o.fmt.session_rate_hz, o.speaker, o.language)
         meta = {"type": "Metadata", "request_id": self.request_id, "model_name": o.model,
-                "model_version": MODEL_VERSION, "model_uuid": str(uuid.uuid5(uuid.NAMESPACE_URL, o.model))}
+                "model_version": self.model_version, "model_uuid": str(uuid.uuid5(uuid.NAMESPACE_URL, o.model))}
         return Step(to_session=[start], to_client=[_json(meta)])
 
     # ---- client -> session ------------------------------------------------------------------
@@ -235,11 +243,13 @@ def parse_http(query: str, raw: bytes, max_chars: int) -> AudioRequest:
     if q.get("speed", "").endswith(".0"):  # SDKs send floats: "1.0" (sample_rate: parse_rate)
         q["speed"] = q["speed"][:-2]
     encoding = q.get("encoding") or "mp3"
-    container = q.get("container") or {"linear16": "wav", "opus": "ogg"}.get(encoding, "none")
+    # Deepgram REST's default container: wav for linear16, mulaw and alaw; ogg for opus
+    container = q.get("container") or {"linear16": "wav", "mulaw": "wav", "alaw": "wav", "opus": "ogg"}.get(
+        encoding, "none")
     if encoding not in HTTP_AV and (container not in ("none", "wav") or container == "wav"
-                                    and encoding != "linear16"):
+                                    and encoding not in ("linear16", "mulaw", "alaw")):
         raise DeepgramError(400, "UNSUPPORTED_CONTAINER", f"container {container!r} is not supported for "
-                            f"{encoding}; use none (or wav with linear16)", request_id=rid)
+                            f"{encoding}; use none (or wav with linear16, mulaw or alaw)", request_id=rid)
     if encoding in HTTP_AV:
         if not av_available():
             raise DeepgramError(400, "UNSUPPORTED_ENCODING", f"{encoding} needs the av package on this server; "

@@ -24,8 +24,11 @@ line per segment as each segment's audio is complete); errors ``{"detail": {"sta
 from __future__ import annotations
 
 import base64
+import dataclasses
 import math
 import re
+import secrets
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -35,7 +38,7 @@ import orjson
 
 from gateway import protocol as P
 from gateway.dialects import voices
-from gateway.dialects.audio import Encoder, OutputFormat, av_available, mp3_available
+from gateway.dialects.audio import Encoder, OutputFormat, av_available, mp3_available, wav_stream_header
 from gateway.dialects.base import Alignment, FieldError, Step, Turns, parse_int, session_start
 from gateway.dialects.http import AudioRequest, AudioResponder, Body, HttpOut, VendorError, body_json
 
@@ -52,6 +55,7 @@ OUTPUT_FORMATS: Final[dict[str, OutputFormat]] = {
     "pcm_16000": OutputFormat("pcm16", 16_000),
     "pcm_22050": OutputFormat("pcm16", 22_050),
     "pcm_24000": OutputFormat("pcm16", 24_000),
+    "pcm_32000": OutputFormat("pcm16", 32_000),
     "pcm_44100": OutputFormat("pcm16", 44_100),
     "pcm_48000": OutputFormat("pcm16", 48_000),
     "ulaw_8000": OutputFormat("mulaw", 8_000),
@@ -60,7 +64,7 @@ OUTPUT_FORMATS: Final[dict[str, OutputFormat]] = {
 #: MP3 output_format values, served when ``lameenc`` is installed (``audio.mp3_available``).
 MP3_FORMATS: Final[dict[str, OutputFormat]] = {
     f"mp3_{rate}_{kbps}": OutputFormat("mp3", rate, kbps)
-    for rate, kbps in ((22_050, 32), (44_100, 32), (44_100, 64), (44_100, 96), (44_100, 128), (44_100, 192))
+    for rate, kbps in ((22_050, 32), (24_000, 48), (44_100, 32), (44_100, 64), (44_100, 96), (44_100, 128), (44_100, 192))
 }
 #: Ogg/Opus output_format values, served when ``av`` (PyAV) is installed.
 OPUS_FORMATS: Final[dict[str, OutputFormat]] = {
@@ -68,9 +72,17 @@ OPUS_FORMATS: Final[dict[str, OutputFormat]] = {
 }
 
 
-def served_formats() -> dict[str, OutputFormat]:
-    """The output_format values this installation serves."""
-    return {**OUTPUT_FORMATS, **(MP3_FORMATS if mp3_available() else {}), **(OPUS_FORMATS if av_available() else {})}
+#: WAV output_format values (PCM16 in a streaming WAV header): HTTP only; a WebSocket refuses them
+#: (400 ``invalid_output_format``), its audio being base64 chunks with no container.
+WAV_FORMATS: Final[dict[str, OutputFormat]] = {
+    f"wav_{rate}": OutputFormat("pcm16", rate) for rate in (8_000, 16_000, 22_050, 24_000, 32_000, 44_100, 48_000)
+}
+
+
+def served_formats(http: bool = False) -> dict[str, OutputFormat]:
+    """The output_format values this installation serves (``http``: with the WAV ones)."""
+    return {**OUTPUT_FORMATS, **(MP3_FORMATS if mp3_available() else {}), **(OPUS_FORMATS if av_available() else {}),
+            **(WAV_FORMATS if http else {})}
 
 
 #: Query parameters accepted and ignored.
@@ -563,8 +575,10 @@ class ElevenLabsError(VendorError):
         return orjson.dumps({"detail": {"status": self.code, "message": self.message}})
 
 
-def parse_http(path: str, query: str, raw: bytes, max_chars: int) -> AudioRequest:
-    """``POST /v1/text-to-speech/{voice_id}[/stream]``; raises ElevenLabsError."""
+def parse_http(path: str, query: str, raw: bytes, max_chars: int, request_id: str = "") -> AudioRequest:
+    """``POST /v1/text-to-speech/{voice_id}[/stream]``; raises ElevenLabsError. The response
+    carries ElevenLabs' ``request-id`` (``request_id``: the gateway's ``x-request-id``),
+    ``character-cost`` (characters billed: the text's length) and ``history-item-id``."""
     m = HTTP_PATH_RE.match(path)
     if m is None:
         raise ElevenLabsError(404, "not_found", "not found")
@@ -578,7 +592,7 @@ def parse_http(path: str, query: str, raw: bytes, max_chars: int) -> AudioReques
                               f"{shown_voice_id(voice_id)} was not found.") from None
     q = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
     fmt_name = q.get("output_format") or "mp3_44100_128"
-    served = served_formats()
+    served = served_formats(http=True)
     fmt = served.get(fmt_name)
     if fmt is None:
         raise ElevenLabsError(400, "invalid_output_format", f"output_format {fmt_name} is not supported by this "
@@ -597,7 +611,10 @@ def parse_http(path: str, query: str, raw: bytes, max_chars: int) -> AudioReques
     if language is not None and (not isinstance(language, str) or not re.fullmatch(r"[A-Za-z0-9-]{1,16}", language)):
         raise ElevenLabsError(422, "invalid_language_code", "language_code must be a language tag")
     return AudioRequest(text, speaker, fmt, ElevenLabsError, language, None if seed is None else seed % 2**31,
-                        timestamps=m.group(3) is not None, stream=m.group(2) is not None)
+                        timestamps=m.group(3) is not None, stream=m.group(2) is not None,
+                        wav=fmt_name in WAV_FORMATS,
+                        headers=(("request-id", request_id or uuid.uuid4().hex), ("character-cost", str(len(text))),
+                                 ("history-item-id", secrets.token_hex(10))))
 
 
 MAX_LINE_AUDIO_BYTES: Final = 65_536
@@ -609,11 +626,12 @@ class TimestampsResponder(AudioResponder):
     end, or (``/stream``) one line per segment as each segment's audio is complete."""
 
     def __init__(self, req: AudioRequest) -> None:
-        super().__init__(req)
+        # the WAV header goes at the start of the (base64) audio, not before the JSON
+        super().__init__(dataclasses.replace(req, wav=False))
         self._alignment_of = Alignment()
         self._alignment_of.add_text(self.req.text)
         """Characters of the text before this are aligned (gaps: spaces, unspoken marks)."""
-        self._seg_audio = bytearray()
+        self._seg_audio = bytearray(wav_stream_header(req.fmt.rate_hz) if req.wav else b"")
         self._t_ms = 0.0
         self._chars: list[str] = []
         self._starts_s: list[float] = []

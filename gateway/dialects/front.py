@@ -291,7 +291,12 @@ class HttpExchangeProtocol(asyncio.Protocol):
         method = req.method.decode("ascii", "replace")
         self.vendor = refusals.vendor_of(parts.path)
         if self.vendor is None:
-            if parts.path.startswith("/v1/"):
+            if parts.path.startswith(("/v1/", "/v2/")):  # 404 in the shape of the client's vendor (by its key)
+                if _header(req, b"xi-api-key") is not None:
+                    return refusals.refusal("elevenlabs", 404, "not_found", f"{parts.path[:256]} not found")
+                if (_header(req, b"authorization") or "").partition(" ")[0].lower() == "token":
+                    return refusals.refusal("deepgram", 404, "NOT_FOUND", f"{parts.path[:256]} not found",
+                                            request_id=self.request_id)
                 return openai.ApiError(404, f"Invalid URL ({method} {parts.path[:256]})")
             return _Plain(405, "method not allowed", (("Allow", "GET"),))
         if method != "POST":
@@ -342,10 +347,11 @@ class HttpExchangeProtocol(asyncio.Protocol):
                 responder = openai.SpeechResponder(body)
             elif self.vendor == "elevenlabs":
                 responder = elevenlabs.http_responder(elevenlabs.parse_http(
-                    parts.path, parts.query, bytes(self.body), lim.max_utterance_chars))
+                    parts.path, parts.query, bytes(self.body),
+                    min(lim.max_utterance_chars, lim.elevenlabs_max_text_chars), self.request_id))
             else:
                 responder = AudioResponder(deepgram.parse_http(
-                    parts.query, bytes(self.body), lim.max_utterance_chars))
+                    parts.query, bytes(self.body), min(lim.max_utterance_chars, lim.deepgram_max_text_chars)))
         except (openai.ApiError, VendorError) as err:
             if isinstance(err, deepgram.DeepgramError):
                 err.request_id = self.request_id

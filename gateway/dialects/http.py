@@ -113,7 +113,7 @@ def body_json(raw: bytes, err: type[VendorError], max_chars: int) -> tuple[dict[
     if not text.strip():
         raise err(bad_status, "invalid_request" if eleven else "Bad Request", '"text" is empty')
     if len(text) > max_chars:
-        raise err(bad_status, "text_too_long" if eleven else "Bad Request",
+        raise err(bad_status, "text_too_long" if eleven else "TEXT_TOO_LONG",
                   f'"text" is longer than {max_chars} characters')
     return obj, text
 
@@ -144,7 +144,7 @@ class AudioResponder:
         self.head_sent = True
         out: list[HttpOut] = [Head(200, (("Content-Type", self._content_type()), *self.req.headers))]
         if self.req.wav:
-            out.append(Body(wav_stream_header(self.req.fmt.rate_hz)))
+            out.append(Body(wav_stream_header(self.req.fmt.rate_hz, encoding=self.req.fmt.encoding)))
         return out
 
     def on_server_audio(self, header: P.AudioFrameHeader, pcm16: bytes) -> list[HttpOut]:

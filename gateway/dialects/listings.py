@@ -12,14 +12,19 @@ path                       answer
                            JSON array of models (``model_id`` ...); Deepgram ``{"tts": [...]}``
 ``/v1/voices``             ElevenLabs ``{"voices": [...]}`` (its premade names, seeds)
 ``/v1/voices/{voice_id}``  ElevenLabs one voice, or 404 in its shape
+``/v2/voices``             ElevenLabs v2 (``voices.search()``): ``{"voices": [...], "has_more":
+                           false, "total_count": N, "next_page_token": null}``; ``?search=``
+                           filters by name (case-insensitive substring)
+``/v1/models/{model_id}``  OpenAI one model object (``models.retrieve``), or 404 in its shape
 ``/v1/audio/voices``       OpenAI-compatible ``{"voices": [names], "data": [...]}``
-anything else              404 in the caller's vendor's error shape
+anything else              404 (under ``/v1/`` or ``/v2/``) in the caller's vendor's error shape
 =========================  ===============================================================
 """
 
 from __future__ import annotations
 
 from typing import Any, Final, Literal
+from urllib.parse import parse_qs
 
 from gateway.dialects import voices
 
@@ -37,6 +42,7 @@ def vendor(headers: Any) -> Literal["openai", "elevenlabs", "deepgram"]:
 
 
 def not_found(who: str, path: str, request_id: str) -> tuple[int, Any]:
+    path = path[:256]
     if who == "elevenlabs":
         return 404, {"detail": {"status": "not_found", "message": f"{path} not found"}}
     if who == "deepgram":
@@ -51,9 +57,24 @@ def _eleven_voice(voice_id: str, name: str, seed: int) -> dict[str, Any]:
             "available_for_tiers": [], "high_quality_base_model_ids": list(ELEVENLABS_MODELS)}
 
 
-def answer(path: str, headers: Any, request_id: str) -> tuple[int, Any]:
-    """Status and JSON body for ``GET path`` under ``/v1/``."""
+def _openai_model(model_id: str) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "voicegw"}
+
+
+def answer(path: str, headers: Any, request_id: str, query: str = "") -> tuple[int, Any]:
+    """Status and JSON body for ``GET path`` under ``/v1/`` or ``/v2/``."""
     who = vendor(headers)
+    if path == "/v2/voices":
+        search = (parse_qs(query).get("search") or [""])[0].strip().lower()
+        found = [_eleven_voice(vid, name, seed) for vid, (name, seed) in voices.ELEVENLABS.items()
+                 if search in name.lower()]
+        return 200, {"voices": found, "has_more": False, "total_count": len(found), "next_page_token": None}
+    if path.startswith("/v1/models/") and path.count("/") == 3 and who == "openai":
+        model_id = path.rsplit("/", 1)[1]
+        if model_id in OPENAI_MODELS:
+            return 200, _openai_model(model_id)
+        return 404, {"error": {"message": f"The model '{model_id[:256]}' does not exist",
+                               "type": "invalid_request_error", "param": None, "code": "model_not_found"}}
     if path == "/v1/models":
         if who == "elevenlabs":
             return 200, [{"model_id": m, "name": m, "can_do_text_to_speech": True, "can_be_finetuned": False,
@@ -70,8 +91,7 @@ def answer(path: str, headers: Any, request_id: str) -> tuple[int, Any]:
                                              "metadata": {"accent": "", "color": "", "image": "", "sample": "",
                                                           "tags": []}}
                                             for name, seed in voices.DEEPGRAM.items()]}
-        return 200, {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "voicegw"}
-                                                 for m in OPENAI_MODELS]}
+        return 200, {"object": "list", "data": [_openai_model(m) for m in OPENAI_MODELS]}
     if path == "/v1/voices":
         return 200, {"voices": [_eleven_voice(vid, name, seed) for vid, (name, seed) in voices.ELEVENLABS.items()],
                      "has_more": False, "total_count": len(voices.ELEVENLABS), "next_page_token": None}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -164,6 +165,8 @@ class SpeechResponder:
 
     def __init__(self, body: SpeechBody) -> None:
         self.body = body
+        self.t0 = time.monotonic()
+        """For ``openai-processing-ms``: the request parsed to the response's head."""
         self.sse = body.stream_format == "sse"
         self.head_sent = False
         self.finished = False
@@ -180,10 +183,12 @@ class SpeechResponder:
         if self.head_sent:
             return []
         self.head_sent = True
+        ms = ("openai-processing-ms", str(round((time.monotonic() - self.t0) * 1000)))
         if self.sse:
-            out: list[HttpOut] = [Head(200, (("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")))]
+            out: list[HttpOut] = [Head(200, (("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
+                                             ms))]
         else:
-            out = [Head(200, (("Content-Type", _CONTENT_TYPES[self.body.response_format]),))]
+            out = [Head(200, (("Content-Type", _CONTENT_TYPES[self.body.response_format]), ms))]
         if self.body.response_format == "wav":
             header = wav_stream_header(RATE_HZ)
             out.append(Body(self._event_audio(header) if self.sse else header))

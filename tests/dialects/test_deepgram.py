@@ -45,6 +45,7 @@ async def test_speak_flush_close(counting_engine: CountingEngine, make_gateway: 
                                                     sample_rate=16000) as sock:
             meta = await sock.recv()
             assert meta.type == "Metadata" and meta.model_name == "aura-2-thalia-en"
+            assert meta.model_version == f"voicegw-{counting_engine.name}"  # the engine that serves
             for piece in ["Hello", " there,", " this is the gateway", " speaking Deepgram."]:
                 await sock.send_text(SpeakV1Text(text=piece))
             await sock.send_flush()

@@ -203,3 +203,14 @@ async def test_alignment_per_segment_and_inactivity_timeout(fake_engine: FakeSpe
             await connect(_url(server, output_format="pcm_24000", inactivity_timeout="0"))
         assert exc.value.response.status_code == 400
         assert orjson.loads(exc.value.response.body)["detail"]["status"] == "invalid_inactivity_timeout"
+
+
+async def test_wav_output_format_is_refused_on_the_websocket(fake_engine: FakeSpeechEngine,
+                                                             make_gateway: GatewayFactory) -> None:
+    async with make_gateway(fake_engine) as server:
+        with pytest.raises(InvalidStatus) as exc:
+            await connect(_url(server, output_format="wav_16000"))
+        assert exc.value.response.status_code == 400
+        assert orjson.loads(exc.value.response.body)["detail"]["status"] == "invalid_output_format"
+        async with connect(_url(server, output_format="pcm_32000")):
+            pass

@@ -5,6 +5,7 @@ the base URL and key changed; errors in each vendor's shape."""
 from __future__ import annotations
 
 import asyncio
+import struct
 from typing import Any
 
 import httpx
@@ -79,16 +80,24 @@ async def test_elevenlabs_http_default_mp3_and_errors(fake_engine: FakeSpeechEng
 @pytest.mark.parametrize("kwargs,rate,wav", [({"encoding": "linear16", "sample_rate": 24000}, 24_000, True),
                                              ({"encoding": "linear16", "sample_rate": 16000, "container": "none"},
                                               16_000, False),
-                                             ({"encoding": "mulaw", "sample_rate": 8000}, 8_000, False)])
+                                             ({"encoding": "mulaw", "sample_rate": 8000}, 8_000, True),
+                                             ({"encoding": "alaw", "sample_rate": 8000}, 8_000, True),
+                                             ({"encoding": "mulaw", "sample_rate": 8000, "container": "none"},
+                                              8_000, False)])
 async def test_deepgram_sdk_rest_generate(counting_engine: CountingEngine, make_gateway: GatewayFactory,
                                           kwargs: dict[str, Any], rate: int, wav: bool) -> None:
     async with make_gateway(counting_engine) as server:
         chunks = [c async for c in _dg(server).speak.v1.audio.generate(text=TEXT, model="aura-2-thalia-en", **kwargs)]
         audio = b"".join(chunks)
         header = 44 if wav else 0
-        if wav:
+        per_sample = 1 if kwargs["encoding"] in ("mulaw", "alaw") else 2
+        if wav:  # Deepgram REST's default container for linear16, mulaw and alaw
             assert audio[:4] == b"RIFF" and audio[8:12] == b"WAVE"
-        per_sample = 1 if kwargs["encoding"] == "mulaw" else 2
+            tag, channels, got_rate, _, _, bits = struct.unpack("<HHIIHH", audio[20:36])
+            want_tag = {"linear16": 1, "mulaw": 7, "alaw": 6}[kwargs["encoding"]]
+            assert (tag, channels, got_rate, bits) == (want_tag, 1, rate, 8 * per_sample)
+        else:
+            assert audio[:4] != b"RIFF"
         assert len(audio) - header == per_sample * counting_engine.total_samples > 0
         assert {r.speaker for r in counting_engine.requests} == {DEEPGRAM["aura-2-thalia-en"]}
         assert counting_engine.rates == {rate if rate != 8_000 else 8_000}
@@ -167,3 +176,96 @@ async def test_stream_with_timestamps_lines_stay_small(make_gateway: GatewayFact
     assert chars == text.strip()
     starts = [t for x in lines for t in x["alignment"]["character_start_times_seconds"]]
     assert starts == sorted(starts)
+
+
+def _sdk_output_formats() -> tuple[str, ...]:
+    import typing
+
+    from elevenlabs.text_to_speech.types.text_to_speech_convert_request_output_format import (
+        TextToSpeechConvertRequestOutputFormat,
+    )
+    literal = typing.get_args(TextToSpeechConvertRequestOutputFormat)[0]
+    return typing.get_args(literal)
+
+
+async def test_elevenlabs_every_sdk_output_format_is_served(fake_engine: FakeSpeechEngine,
+                                                            make_gateway: GatewayFactory) -> None:
+    """Every value of the SDK's own output_format enum: the right container and rate."""
+    import base64
+
+    from elevenlabs.client import ElevenLabs
+
+    from gateway.dialects.elevenlabs import served_formats
+
+    formats = _sdk_output_formats()
+    assert {"wav_16000", "wav_24000", "pcm_32000", "mp3_24000_48"} <= set(formats)
+    async with make_gateway(fake_engine) as server:
+        client = ElevenLabs(api_key="xi-test", base_url=server.url)
+        for fmt in formats:
+            kind, rate = fmt.split("_")[0], int(fmt.split("_")[1])
+            if (kind == "mp3" and not mp3_available()) or (kind == "opus" and fmt not in served_formats()):
+                continue
+            data = await asyncio.to_thread(lambda f=fmt: b"".join(client.text_to_speech.convert(  # type: ignore[misc]
+                voice_id=RACHEL, text="Hello there.", output_format=f)))
+            assert data, fmt
+            if kind == "wav":
+                assert data[:4] == b"RIFF" and data[8:16] == b"WAVEfmt ", fmt
+                tag, channels, got_rate, _, _, bits = struct.unpack("<HHIIHH", data[20:36])
+                assert (tag, channels, got_rate, bits) == (1, 1, rate, 16), fmt
+                assert len(data) > 44 and (len(data) - 44) % 2 == 0, fmt
+            elif kind == "pcm":
+                assert len(data) % 2 == 0 and data[:4] != b"RIFF", fmt
+            elif kind == "mp3":
+                frames, _, got_rate = mp3_duration(data)
+                assert frames > 0 and got_rate == rate, fmt
+                assert ((int.from_bytes(data[:4], "big") >> 12) & 0xF) > 0, fmt
+            elif kind == "opus":
+                assert data[:4] == b"OggS", fmt
+            else:
+                assert kind in ("ulaw", "alaw") and data[:4] != b"RIFF", fmt
+        # with-timestamps: the WAV header starts the (base64) audio
+        async with httpx.AsyncClient(timeout=30) as http:
+            r = await http.post(f"{server.url}/v1/text-to-speech/{RACHEL}/with-timestamps?output_format=wav_16000",
+                                json={"text": "Hello there."}, headers={"xi-api-key": "k"})
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+        assert base64.b64decode(r.json()["audio_base64"])[:4] == b"RIFF"
+
+
+@pytest.mark.parametrize("suffix", ["", "/stream", "/with-timestamps"])
+async def test_elevenlabs_http_response_headers(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory,
+                                                suffix: str) -> None:
+    """ElevenLabs' ``request-id``, ``character-cost`` (the characters billed) and ``history-item-id``."""
+    async with make_gateway(fake_engine) as server, httpx.AsyncClient(timeout=30) as http:
+        r = await http.post(f"{server.url}/v1/text-to-speech/{RACHEL}{suffix}?output_format=pcm_16000",
+                            json={"text": TEXT}, headers={"xi-api-key": "k"})
+        assert r.status_code == 200
+        assert r.headers["request-id"] == r.headers["x-request-id"]
+        assert r.headers["character-cost"] == str(len(TEXT))
+        assert len(r.headers["history-item-id"]) == 20
+
+
+async def test_vendor_text_limits(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory) -> None:
+    """ElevenLabs refuses text over 10,000 characters, Deepgram REST over 2,000, each in its shape;
+    the limits are configurable."""
+    async with make_gateway(fake_engine) as server, httpx.AsyncClient(timeout=30) as http:
+        reached = len(fake_engine.requests)
+        r = await http.post(f"{server.url}/v1/text-to-speech/{RACHEL}?output_format=pcm_16000",
+                            json={"text": "x" * 10_001}, headers={"xi-api-key": "k"})
+        assert r.status_code == 422 and r.json()["detail"]["status"] == "text_too_long", r.text
+        assert "10000" in r.json()["detail"]["message"]
+        r = await http.post(f"{server.url}/v1/speak?encoding=linear16", json={"text": "x" * 2_001},
+                            headers={"Authorization": "Token k"})
+        assert r.status_code == 400 and r.json()["err_code"] == "TEXT_TOO_LONG", r.text
+        assert r.json()["request_id"] and "2000" in r.json()["err_msg"]
+        assert len(fake_engine.requests) == reached  # refused before the engine
+        r = await http.post(f"{server.url}/v1/speak?encoding=linear16", json={"text": "Hi. " * 500},
+                            headers={"Authorization": "Token k"})
+        assert r.status_code == 200
+    async with make_gateway(fake_engine, limits={"deepgram_max_text_chars": 5, "elevenlabs_max_text_chars": 5}) \
+            as server, httpx.AsyncClient(timeout=30) as http:
+        r = await http.post(f"{server.url}/v1/speak", json={"text": "Hello there."},
+                            headers={"Authorization": "Token k"})
+        assert r.status_code == 400 and r.json()["err_code"] == "TEXT_TOO_LONG"
+        r = await http.post(f"{server.url}/v1/text-to-speech/{RACHEL}", json={"text": "Hello there."},
+                            headers={"xi-api-key": "k"})
+        assert r.status_code == 422

@@ -85,6 +85,7 @@ async def test_every_response_has_a_request_id(fake_engine: FakeSpeechEngine, ma
         raw = await oa.audio.speech.with_raw_response.create(model="tts-1", voice="alloy", input="Hi there.",
                                                              response_format="pcm")
         assert raw.headers["x-request-id"].startswith("req_")
+        assert int(raw.headers["openai-processing-ms"]) >= 0
         for path in ("/healthz", "/protocol.json"):
             status, headers, _ = await asyncio.to_thread(_get, server.url + path)
             assert status == 200 and headers["x-request-id"].startswith("req_")
@@ -106,3 +107,59 @@ async def test_openai_input_limit_is_openais_and_configurable(fake_engine: FakeS
         oa = AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=0, timeout=30)
         with pytest.raises(openai.BadRequestError):
             await oa.audio.speech.create(model="tts-1", voice="alloy", input="Hello there.", response_format="pcm")
+
+
+async def test_elevenlabs_voices_search_is_served_in_the_v2_shape(fake_engine: FakeSpeechEngine,
+                                                                   make_gateway: GatewayFactory) -> None:
+    from elevenlabs.client import ElevenLabs
+
+    async with make_gateway(fake_engine) as server:
+        el = ElevenLabs(api_key="xi-test", base_url=server.url)
+        got = await asyncio.to_thread(el.voices.search)
+        assert {v.voice_id for v in got.voices} == set(voices.ELEVENLABS)
+        assert got.has_more is False and got.total_count == len(voices.ELEVENLABS) and got.next_page_token is None
+        rachel = await asyncio.to_thread(el.voices.search, search="rach")
+        assert [v.name for v in rachel.voices] == ["Rachel"] and rachel.total_count == 1
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+@pytest.mark.parametrize("path", ["/v2/nope", "/v1/nope/deeper"])
+async def test_unknown_v1_v2_paths_answer_json_in_the_elevenlabs_shape(fake_engine: FakeSpeechEngine,
+                                                                      make_gateway: GatewayFactory,
+                                                                      method: str, path: str) -> None:
+    async with make_gateway(fake_engine) as server:
+        def call() -> tuple[int, dict[str, str], Any]:
+            req = urllib.request.Request(server.url + path, headers={"xi-api-key": "k"}, method=method,  # noqa: S310
+                                         data=b"{}" if method == "POST" else None)
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:  # noqa: S310
+                    return r.status, dict(r.headers.items()), orjson.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, {k.lower(): v for k, v in e.headers.items()}, orjson.loads(e.read())
+
+        status, headers, body = await asyncio.to_thread(call)
+        assert status == 404 and headers["content-type"] == "application/json", (status, headers)
+        assert body["detail"]["status"] == "not_found", body
+
+
+async def test_openai_models_retrieve(fake_engine: FakeSpeechEngine, make_gateway: GatewayFactory) -> None:
+    async with make_gateway(fake_engine) as server:
+        oa = AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=0, timeout=10)
+        model = await oa.models.retrieve("tts-1")
+        assert model.id == "tts-1" and model.object == "model" and model.owned_by == "voicegw"
+        with pytest.raises(openai.NotFoundError) as exc:
+            await oa.models.retrieve("whisper-9")
+        assert exc.value.body["code"] == "model_not_found"  # type: ignore[index]
+
+
+async def test_websocket_handshake_on_an_unknown_v2_path_is_a_json_404(fake_engine: FakeSpeechEngine,
+                                                                       make_gateway: GatewayFactory) -> None:
+    from websockets.exceptions import InvalidStatus
+
+    async with make_gateway(fake_engine) as server:
+        with pytest.raises(InvalidStatus) as exc:
+            async with connect(f"ws://127.0.0.1:{server.port}/v2/nope", open_timeout=5,
+                               additional_headers={"xi-api-key": "k"}):
+                pass
+        assert exc.value.response.status_code == 404
+        assert orjson.loads(exc.value.response.body)["detail"]["status"] == "not_found"

@@ -288,6 +288,21 @@ async def elevenlabs_with_timestamps(a: argparse.Namespace) -> Audio:
     return audio
 
 
+async def elevenlabs_voices_search(a: argparse.Namespace) -> Audio:
+    """``voices.search()`` (GET /v2/voices, the SDK README's listing), then speech in the voice found."""
+    from elevenlabs.client import AsyncElevenLabs
+
+    client = AsyncElevenLabs(api_key="xi-test", base_url=a.http)
+    found = await client.voices.search(search="Rachel")
+    if [v.name for v in found.voices] != ["Rachel"] or found.total_count != 1 or found.has_more:
+        raise AssertionError(f"voices.search(search='Rachel') gave {found!r}")
+    audio = Audio()
+    async for c in client.text_to_speech.stream(voice_id=found.voices[0].voice_id, text=TEXT,
+                                                output_format="pcm_16000"):
+        audio.add(c, 16_000)
+    return audio
+
+
 async def elevenlabs_realtime(a: argparse.Namespace) -> Audio:
     from elevenlabs.client import ElevenLabs
 
@@ -299,6 +314,20 @@ async def elevenlabs_realtime(a: argparse.Namespace) -> Audio:
 
     audio = Audio()
     audio.add(await asyncio.to_thread(run), 24_000)
+    return audio
+
+
+async def openai_models_retrieve(a: argparse.Namespace) -> Audio:
+    """``models.retrieve("tts-1")`` (GET /v1/models/tts-1), then speech with the model retrieved."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(api_key="sk-test", base_url=a.http + "/v1", max_retries=0)
+    model = await client.models.retrieve("tts-1")
+    if model.id != "tts-1" or model.object != "model":
+        raise AssertionError(f"models.retrieve('tts-1') gave {model!r}")
+    resp = await client.audio.speech.create(model=model.id, voice="alloy", input=TEXT, response_format="pcm")
+    audio = Audio()
+    audio.add(resp.content, 24_000)
     return audio
 
 
@@ -315,6 +344,14 @@ async def deepgram_rest(a: argparse.Namespace) -> Audio:
         text=TEXT, model="aura-2-thalia-en", encoding="linear16", sample_rate=24_000)])
     if not data.startswith(b"RIFF"):  # linear16's default container is wav
         raise AssertionError("linear16 without container=none should come in a WAV container")
+    return decode(data)
+
+
+async def deepgram_rest_mulaw(a: argparse.Namespace) -> Audio:
+    data = b"".join([c async for c in _dg_client(a).speak.v1.audio.generate(
+        text=TEXT, model="aura-2-thalia-en", encoding="mulaw", sample_rate=8_000)])
+    if not data.startswith(b"RIFF"):  # Deepgram REST's default container for mulaw is wav
+        raise AssertionError("mulaw without container=none should come in a WAV container")
     return decode(data)
 
 
@@ -349,11 +386,14 @@ CASES: list[tuple[str, str, str, Callable[[argparse.Namespace], Awaitable[Audio]
     ("livekit-plugins-deepgram", "livekit-agents", "deepgram.TTS synthesize()", livekit_deepgram_synthesize),
     ("livekit-plugins-deepgram", "livekit-agents", "deepgram.TTS stream() (WebSocket)", livekit_deepgram_stream),
     ("openai", "openai", "audio.speech.with_streaming_response.create (pcm)", openai_speech),
+    ("openai", "openai", "models.retrieve, then audio.speech.create (pcm)", openai_models_retrieve),
     ("elevenlabs", "elevenlabs", "text_to_speech.convert (mp3)", elevenlabs_convert),
     ("elevenlabs", "elevenlabs", "text_to_speech.stream (pcm_16000)", elevenlabs_stream),
     ("elevenlabs", "elevenlabs", "text_to_speech.convert_with_timestamps", elevenlabs_with_timestamps),
+    ("elevenlabs", "elevenlabs", "voices.search, then text_to_speech.stream", elevenlabs_voices_search),
     ("elevenlabs", "elevenlabs", "text_to_speech.convert_realtime (stream-input WebSocket)", elevenlabs_realtime),
     ("deepgram-sdk", "deepgram-sdk", "speak.v1.audio.generate (REST)", deepgram_rest),
+    ("deepgram-sdk", "deepgram-sdk", "speak.v1.audio.generate (REST, mulaw: WAV by default)", deepgram_rest_mulaw),
     ("deepgram-sdk", "deepgram-sdk", "speak.v1.connect (WebSocket)", deepgram_ws),
 ]
 

@@ -40,8 +40,9 @@ RATES = {
     "pipecat_deepgram_http": 24_000, "pipecat_openai": 24_000, "livekit_openai_synthesize": 24_000,
     "livekit_elevenlabs_synthesize": 22_050, "livekit_elevenlabs_stream": 22_050,
     "livekit_deepgram_synthesize": 24_000, "livekit_deepgram_stream": 24_000, "openai_speech": 24_000,
-    "elevenlabs_convert": 44_100, "elevenlabs_stream": 16_000, "elevenlabs_with_timestamps": 24_000,
-    "elevenlabs_realtime": 24_000, "deepgram_rest": 24_000, "deepgram_ws": 24_000,
+    "openai_models_retrieve": 24_000, "elevenlabs_convert": 44_100, "elevenlabs_stream": 16_000,
+    "elevenlabs_with_timestamps": 24_000, "elevenlabs_voices_search": 16_000, "elevenlabs_realtime": 24_000,
+    "deepgram_rest": 24_000, "deepgram_rest_mulaw": 8_000, "deepgram_ws": 24_000,
 }
 #: Calls whose client turns the gateway's character alignment into word timestamps.
 ALIGNED = {"pipecat_elevenlabs_ws", "pipecat_elevenlabs_http", "livekit_elevenlabs_stream",
