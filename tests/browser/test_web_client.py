@@ -437,6 +437,12 @@ async def test_overload_is_retried_after_the_hinted_wait(browser: Any, speech_en
     config = Config(gateway=GatewayConfig(host="127.0.0.1", port=0),
                     engine=dataclasses.replace(EngineConfig(), max_num_seqs=1),
                     scheduler=dataclasses.replace(SchedulerConfig(), ttfa_target_ms=50.0, admission=True))
+    # the one slot must be free first: the session's shared engine may still be finishing (or aborting)
+    # what earlier tests left, and admission control counts the engine's requests, not this server's
+    for _ in range(300):
+        if speech_engine.health().running_requests == 0:
+            break
+        await asyncio.sleep(0.1)
     server = GatewayServer(config, speech_engine)
     await server.start()
     pg = await browser.new_page()
