@@ -37,7 +37,7 @@ spy_during() {  # $1: log to watch, $2: tag; py-spy (non-blocking) of core, deco
     [ -n "$CORE" ] && timeout 20 "$SPY" record --nonblocking -p "$CORE" -d 10 -r 50 --format raw -o "$RES/spy-core-$2.txt" > /dev/null 2>&1 &
     [ -n "$DEC" ] && timeout 20 "$SPY" record --nonblocking -p "$DEC" -d 10 -r 50 --format raw -o "$RES/spy-decoder-$2.txt" > /dev/null 2>&1 &
     [ -n "$GW" ] && timeout 20 "$SPY" record --nonblocking -p "$GW" -d 10 -r 50 --format raw -o "$RES/spy-gateway-$2.txt" > /dev/null 2>&1
-    wait ) &
+    wait ) > /dev/null 2>&1 &  # its own output: a spy still waiting must not hold the call's stdout
 }
 
 run_e2e() {  # $1: tag, $2: phases, $3: sessions, $4: closed-loop sessions, rest: extra gpu_e2e args
@@ -60,6 +60,7 @@ if [ -n "${ALT_ARGS:-}" ] && [ "$(left)" -gt 150 ]; then
   MAX_S= RESERVE_S=15 run_e2e b e2e "${ALT_SESSIONS:-${SESSIONS:-1,64,400/10,600/16}}" "${THROUGHPUT:-400}" --max-gateway-attempts 1 "${GA[@]}"
 fi
 kill $DMON 2>/dev/null
+kill $(jobs -p) 2>/dev/null  # a spy whose SPY_AT never matched
 for f in "$RES"/spy-*.txt; do
   [ -f "$f" ] || continue
   python3 -m bench.spy_share "$f" > "${f%.txt}.share" 2>&1

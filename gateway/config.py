@@ -36,10 +36,18 @@ class GatewayConfig(Checked):
     """TCP port for WebSocket, demo page, /healthz and /metrics."""
     processes: int = 0
     """Gateway processes (sessions, flow control, WebSocket I/O) sharing the port
-    (``SO_REUSEPORT``), one vLLM engine core through vLLM's multi-client front end, and one decoder
-    process (``voicegw.group``). 0: 4 when the engine is vLLM on a CUDA GPU (docs/gpu.md), else 1.
+    (``SO_REUSEPORT``), ``engine_cores`` vLLM engine cores through vLLM's multi-client front end, and
+    a decoder process per core (``voicegw.group``). 0: 4 when the engine is vLLM on a CUDA GPU
+    (docs/gpu.md), else 1 (rounded up to a multiple of ``engine_cores``).
     Above 1 needs the ``vllm`` backend and a fixed ``port``;
     ``limits.max_sessions`` then applies per process."""
+    engine_cores: int = 1
+    """vLLM engine-core processes the gateway processes are spread over, evenly (``processes``
+    must be a multiple), all on the one device: each core has its own scheduler, batch, KV cache
+    (``engine.gpu_memory_utilization`` split evenly on a GPU; ``engine.kv_cache_gib`` each on CPU)
+    and decoder process; the kernel spreads connections over the gateway processes, so sessions
+    spread over the cores. One core steps one batch at a time from one Python thread: a second
+    core adds the host time the first cannot give (bench/RESULTS.md)."""
     auth_tokens: tuple[str, ...] = ()
     """Bearer tokens accepted (header ``Authorization: Bearer``, subprotocol ``voicegw.token.<t>``
     or query ``?token=``). Empty: no auth (development only)."""
@@ -80,6 +88,11 @@ class GatewayConfig(Checked):
             self._fail("processes", "must be >= 0 (0: automatic)")
         if self.processes > 1 and self.port == 0:
             self._fail("processes", "more than one process needs a fixed port (gateway.port 0 picks one per process)")
+        if self.engine_cores < 1:
+            self._fail("engine_cores", f"must be >= 1, got {self.engine_cores!r}")
+        if self.processes and self.processes % self.engine_cores:
+            self._fail("engine_cores", f"gateway.processes ({self.processes}) must be a multiple of it "
+                       f"({self.engine_cores})")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Several gateway processes on one vLLM engine core and one decoder (``gateway.processes`` > 1).
+"""Several gateway processes on one or more vLLM engine cores on one device (``gateway.processes``
+> 1, ``gateway.engine_cores``).
 
 One asyncio process carries sessions, flow control, WebSocket I/O and vLLM's output handling under
 one GIL; at a few hundred sessions it is the limit (bench/RESULTS.md). This module scales the
@@ -7,35 +8,37 @@ uses), not a broker of ours:
 
 ```
  voicegw serve (this process: launcher + supervisor, no sessions)
-   ├── vLLM engine-core process(es)   <- launch_core_engines(), N client endpoints (ZMQ)
-   ├── gateway process 0: asyncio, sessions, AsyncLLM(client_index=0), its decoder process
-   ├── ...                                       (SO_REUSEPORT: the kernel spreads connections)
-   └── gateway process N-1
+   ├── vLLM engine core 0            <- launch_core_engines(), M client endpoints (ZMQ)
+   │     ├── gateway process 0: asyncio, sessions, AsyncLLM(client_index=0)
+   │     ├── ... gateway process M-1      (SO_REUSEPORT: the kernel spreads connections)
+   │     └── decoder process 0 (one socket per gateway process of the core)
+   └── ... engine core K-1 with gateway processes (K-1)M .. KM-1 and decoder process K-1
 ```
 
-* **Engine core**: launched here (``engine.vllm.launch.launch_core``: vLLM's ``launch_core_engines``)
-  for N clients; each gateway
-  process connects an ``AsyncLLM`` to it (``client_addresses``/``client_index``/``client_count``).
-  One batch, one KV cache, one scheduler for all sessions.
+* **Engine cores**: launched here (``engine.vllm.launch.launch_core``: vLLM's
+  ``launch_core_engines``), one after the other, each for its M = N/K clients; each gateway process
+  connects an ``AsyncLLM`` to its core (``client_addresses``/``client_index``/``client_count``).
+  Per core: one batch, one KV cache, one scheduler. A core steps one batch at a time from one
+  Python thread; K cores give the device K threads' host time (``gateway.engine_cores``).
 * **Frame table** (:mod:`engine.vllm.channel`): created here before the engine core starts; each
   gateway process hands out its own disjoint slot range. Request ids carry the client index.
-* **Load**: every gateway process writes the requests it holds into a shared array; each one's
-  ``health().running_requests`` (admission control's engine load) is the sum.
+* **Load**: every gateway process writes the requests it holds into its core's shared array; each
+  one's ``health().running_requests`` (admission control's engine load) is its core's sum.
 * **Port**: every gateway process binds ``gateway.host:port`` with ``SO_REUSEPORT``. A client's
   retry/resume is stateless on the server (the client resends from a segment boundary), so a
   reconnect may land on any process.
-* **Decoder**: one decoder process for the group, started here once the engine core is up, one
+* **Decoder**: one decoder process per engine core, started here once the engine cores are up, one
   socket and one range of sample rows per gateway process (``engine.vllm.launch.shared_decoder_plan``):
-  one batch for every session, one CUDA context beside the engine core's, rather than one decoder
-  per gateway process with a quarter of the batch each (bench/RESULTS.md).
-* **Failure**: vLLM's front end cannot restart an engine core it did not launch. When the engine
-  core or any gateway process dies, this process stops the others (1012 to clients: reconnect and
+  one batch for the core's sessions, rather than one decoder per gateway process with a quarter of
+  the batch each (bench/RESULTS.md).
+* **Failure**: vLLM's front end cannot restart an engine core it did not launch. When an engine
+  core, a decoder or a gateway process dies, this process stops the others (1012 to clients: reconnect and
   resume) and exits 1, for the service manager to start the group again.
 * **Death of this process** (``kill -9`` included): every process of the group (engine core and
   its workers, gateway processes, the decoder) dies with it within a second (``engine.lifeline``);
   the next start removes the shared-memory files left behind (``engine.shm.remove_stale``).
 * **Shutdown**: SIGINT/SIGTERM go to every gateway process (graceful drain, ``shutdown_grace_s``;
-  a second signal skips the grace), then the engine core stops.
+  a second signal skips the grace), then the engine cores stop.
 
 The building blocks of the launch (the engine core for N clients, the frame table's shares, the
 decoder's plan) are ``engine.vllm.launch``'s; this module starts and supervises the processes.
@@ -55,7 +58,14 @@ from typing import Any
 
 from engine.vllm.channel import FrameTable
 from engine.vllm.engine import SharedClient, VllmCodeEngine
-from engine.vllm.launch import core_config, engine_dead, launch_core, shared_decoder_plan, slots_per_client
+from engine.vllm.launch import (
+    CoreLaunch,
+    core_config,
+    engine_dead,
+    launch_core,
+    shared_decoder_plan,
+    slots_per_client,
+)
 from voicegw.config import Config
 
 log = logging.getLogger("voicegw")
@@ -78,13 +88,13 @@ def _gateway_process(cfg: Config, shared: SharedClient) -> None:
     try:  # a name for ps/pgrep/py-spy (vLLM's own dependency; absent: the spawn command line)
         import setproctitle
 
-        setproctitle.setproctitle(f"voicegw-gateway-{shared.index}")
+        setproctitle.setproctitle(multiprocessing.current_process().name)  # voicegw-gateway-<i>
     except ImportError:
         pass
     try:
         speech = build_speech_engine(cfg.engine, shared=shared)
     except Exception as exc:  # noqa: BLE001 - one clear line, exit 2
-        log.error("gateway process %d: cannot build the engine: %s", shared.index, exc)
+        log.error("%s: cannot build the engine: %s", multiprocessing.current_process().name, exc)
         sys.exit(2)
     sys.exit(run_gateway(cfg, speech))
 
@@ -93,6 +103,10 @@ def serve_group(cfg: Config, model_dir: str) -> int:
     """``voicegw serve`` with ``gateway.processes`` > 1 (see the module docstring). Returns the
     exit code: 0 after a signal, 1 when a process of the group died, 2 when it could not start."""
     n = cfg.gateway.processes
+    if n % cfg.gateway.engine_cores:
+        log.error("cannot start %d gateway processes: gateway.processes must be a multiple of "
+                  "gateway.engine_cores (%d)", n, cfg.gateway.engine_cores)
+        return 2
     t0 = time.monotonic()
     proto = VllmCodeEngine(model_dir, cfg.engine, warmup=False)
     per = slots_per_client(cfg.engine.max_num_seqs, n)
@@ -112,60 +126,71 @@ def serve_group(cfg: Config, model_dir: str) -> int:
 
 def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameTable, per: int,
                t0: float, made: list[str]) -> int:
-    """The group's start and supervision (``serve_group``); the decoder samples file's path goes
+    """The group's start and supervision (``serve_group``); each decoder samples file's path goes
     into ``made`` as soon as it exists, so that the caller removes it whatever happens."""
     n = cfg.gateway.processes
-    vllm_config = core_config(proto, table, n)
+    cores = cfg.gateway.engine_cores
+    m = n // cores  # gateway processes per engine core
     ctx = multiprocessing.get_context("spawn")
-    loads = ctx.RawArray("q", n)
     from engine.decoder.client import spawn_worker
 
-    dec_settings, shares, theirs, dec_path = shared_decoder_plan(cfg.engine, model_dir, proto.device, n)
-    made.append(dec_path)
+    plans = []  # per core: (decoder settings, its clients' shares, the worker's ends, samples file)
+    for _ in range(cores):
+        plan = shared_decoder_plan(cfg.engine, model_dir, proto.device, m)
+        made.append(plan[3])
+        plans.append(plan)
 
     procs: list[Any] = []  # the gateway processes spawn() started (also when launch_core fails after it)
 
-    def spawn(configs: list[dict[str, Any]]) -> list[Any]:
-        for i, c in enumerate(configs):
-            shared = SharedClient(c, i, n, table.spec.to_env(), i * per, (i + 1) * per, loads, shares[i])
-            p = ctx.Process(target=_gateway_process, args=(cfg, shared), name=f"voicegw-gateway-{i}")
-            with _lifeline_env():  # started from this thread: PR_SET_PDEATHSIG is safe there
-                p.start()
-            procs.append(p)
-        return procs
+    def spawner(core: int) -> Any:
+        loads = ctx.RawArray("q", m)  # the requests each of this core's clients holds
+
+        def spawn(configs: list[dict[str, Any]]) -> list[Any]:
+            for j, c in enumerate(configs):
+                i = core * m + j  # the process's place in the group: its frame-table slots
+                shared = SharedClient(c, j, m, table.spec.to_env(), i * per, (i + 1) * per, loads, plans[core][1][j])
+                p = ctx.Process(target=_gateway_process, args=(cfg, shared), name=f"voicegw-gateway-{i}")
+                with _lifeline_env():  # started from this thread: PR_SET_PDEATHSIG is safe there
+                    p.start()
+                procs.append(p)
+            return procs
+
+        return spawn
 
     stop = _Signals()
-    manager = coordinator = decoder = None
+    launched: list[CoreLaunch] = []
+    decoders: list[Any] = []
     try:
         with stop.installed():
             try:
                 t_launch = time.monotonic()
-                manager, coordinator, _ = launch_core(vllm_config, n, spawn)
+                for core in range(cores):  # one after the other: each sizes its KV cache beside the ones up
+                    launched.append(launch_core(core_config(proto, table, m, 1 / cores), m, spawner(core)))
                 t_core = time.monotonic()
-                # after the engine core is up: vLLM sized its KV cache without the decoder's GPU
-                # memory in the way (the gateway processes wait for its ready message)
-                decoder = spawn_worker(dec_settings, theirs, dec_path, dec_settings.slots)
+                # after the engine cores are up: vLLM sized their KV caches without the decoders' GPU
+                # memory in the way (the gateway processes wait for their decoder's ready message)
+                for settings, _, theirs, path in plans:
+                    decoders.append(spawn_worker(settings, theirs, path, settings.slots))
             except Exception as exc:  # noqa: BLE001 - startup failure: one clear line
                 log.error("cannot start the shared engine core: %s", exc)
                 _stop_all(procs, cfg, force=True)
                 return 2
             finally:
-                for t in theirs:
-                    t.close()
-                for sh in shares:
-                    sh.sock.close()  # the gateway processes hold their own copies
-            log.info("%d gateway processes on one engine core (pids %s), one decoder process (pid %s); "
-                     "start phases: config %.1f s, engine core and its clients' handshake %.1f s, decoder "
+                for _, shares, theirs, _ in plans:
+                    for t in theirs:
+                        t.close()
+                    for sh in shares:
+                        sh.sock.close()  # the gateway processes hold their own copies
+            log.info("%d gateway processes on %d engine core(s) (pids %s), %d decoder process(es) (pids %s); "
+                     "start phases: config %.1f s, engine cores and their clients' handshake %.1f s, decoder "
                      "spawn %.1f s (the gateway processes log their own readiness)",
-                     n, [p.pid for p in procs], decoder.pid if decoder is not None else "-",
+                     n, cores, [p.pid for p in procs], len(decoders), [d.pid for d in decoders],
                      t_launch - t0, t_core - t_launch, time.monotonic() - t_core)
-            code = _supervise(procs, manager, stop, cfg, decoder)
+            code = _supervise(procs, [c.manager for c in launched], stop, cfg, decoders)
     finally:
-        for obj in (manager, coordinator):
-            if obj is not None:
-                with contextlib.suppress(Exception):
-                    obj.shutdown()
-        if decoder is not None:
+        for c in launched:
+            c.stop()
+        for decoder in decoders:
             try:
                 decoder.wait(10)  # exits once every gateway closed its socket
             except Exception:  # noqa: BLE001
@@ -209,7 +234,7 @@ class _Signals:
                 signal.signal(s, h)
 
 
-def _supervise(procs: list[Any], manager: Any, stop: _Signals, cfg: Config, decoder: Any = None) -> int:
+def _supervise(procs: list[Any], managers: list[Any], stop: _Signals, cfg: Config, decoders: list[Any]) -> int:
     forwarded = 0
     deadline: float | None = None
     while True:
@@ -226,13 +251,12 @@ def _supervise(procs: list[Any], manager: Any, stop: _Signals, cfg: Config, deco
             if deadline is not None and time.monotonic() > deadline:
                 _stop_all(procs, cfg, force=True)
                 return 0
-        elif (engine_dead(manager) or any(not p.is_alive() for p in procs)
-              or (decoder is not None and decoder.poll() is not None)):
+        elif (any(engine_dead(mgr) for mgr in managers) or any(not p.is_alive() for p in procs)
+              or any(d.poll() is not None for d in decoders)):
             dead = [p.name for p in procs if not p.is_alive()]
-            if decoder is not None and decoder.poll() is not None:
-                dead.append("its decoder process")
-            log.error("the group lost %s; stopping the others",
-                      ", ".join(dead) if dead else "its engine core")
+            dead += [f"decoder process {d.pid}" for d in decoders if d.poll() is not None]
+            dead += [f"engine core {i}" for i, mgr in enumerate(managers) if engine_dead(mgr)]
+            log.error("the group lost %s; stopping the others", ", ".join(dead))
             _stop_all(procs, cfg, force=False)
             return 1
         time.sleep(_POLL_S)

@@ -36,9 +36,9 @@ def serve(cfg: Config) -> int:
     cfg = resolve_platform(cfg, cuda)
     if cuda:
         e = cfg.engine
-        log.info("ChatTTS on vLLM on CUDA: %d gateway processes, enforce_eager=%s, max_num_seqs=%d, "
+        log.info("ChatTTS on vLLM on CUDA: %d gateway processes on %d engine core(s), enforce_eager=%s, max_num_seqs=%d, "
                  "max_num_batched_tokens=%d, decoder_max_batch=%d (the GPU defaults, for keys not set)",
-                 cfg.gateway.processes, e.enforce_eager, e.max_num_seqs, e.max_num_batched_tokens, e.decoder_max_batch)
+                 cfg.gateway.processes, cfg.gateway.engine_cores, e.enforce_eager, e.max_num_seqs, e.max_num_batched_tokens, e.decoder_max_batch)
     if cfg.gateway.processes > 1:
         return _serve_group(cfg)
     from engine.build import build_speech_engine
@@ -85,10 +85,11 @@ def on_cuda_vllm(cfg: Config) -> bool:
 def resolve_platform(cfg: Config, cuda: bool) -> Config:
     """The automatic settings resolved once, for this platform: ``GPU_DEFAULTS`` for every key not
     set explicitly when ``cuda``; ``gateway.processes`` 0 -> ``AUTO_GPU_PROCESSES`` there (with a
-    fixed port), else 1."""
+    fixed port), else 1; rounded up to a multiple of ``gateway.engine_cores``."""
     if cuda:
         cfg = on_cuda(cfg)
-    n = cfg.gateway.processes or (AUTO_GPU_PROCESSES if cuda and cfg.gateway.port != 0 else 1)
+    cores = cfg.gateway.engine_cores
+    n = cfg.gateway.processes or -(-(AUTO_GPU_PROCESSES if cuda and cfg.gateway.port != 0 else 1) // cores) * cores
     return dataclasses.replace(cfg, gateway=dataclasses.replace(cfg.gateway, processes=n))
 
 

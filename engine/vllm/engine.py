@@ -105,11 +105,10 @@ def effective_min_new(p: SamplingParams) -> int:
 
 _ENV_LOCK = threading.Lock()
 """Serializes the environment patch of engine construction (``VllmCodeEngine._construct``)."""
-#: A shared engine core's first reply to a client (``_first_contact``): deadline per attempt, attempts.
-_FIRST_CONTACT_S = 30.0
+#: A shared engine core's first reply to a client (``_first_contact``): deadline.
+_FIRST_CONTACT_S = 120.0
 #: ``_admission_tick``: requests in the engine core from which new ones wait for the next tick.
 _TICK_MIN_RUNNING = 32
-_FIRST_CONTACT_TRIES = 4
 
 
 class VllmCodeEngine:
@@ -318,26 +317,17 @@ class VllmCodeEngine:
 
     async def _first_contact(self, llm: Any) -> None:
         """A client of a shared engine core: the engine core's first reply (vLLM asks it for its
-        supported tasks before a client's first request, then caches the answer), with a deadline
-        and retries, each logged, then an unrecoverable error: the gateway process exits and the
-        launcher stops the group (exit 1) instead of a group silently short of a process. Seen only
-        on the 2-core CI host beside a second vLLM CPU engine, where the engine core answered no
-        client's first call (cause not found)."""
+        supported tasks before a client's first request, then caches the answer) within
+        ``_FIRST_CONTACT_S``, else an unrecoverable error: the gateway process exits and the
+        launcher stops the group (exit 1) instead of a group silently short of a process."""
         ask = getattr(llm, "get_supported_tasks", None)
         if ask is None:
             return
-        for attempt in range(1, _FIRST_CONTACT_TRIES + 1):
-            call = asyncio.ensure_future(ask())
-            try:  # shielded: a late reply must find its future alive (vLLM sets its result)
-                await asyncio.wait_for(asyncio.shield(call), _FIRST_CONTACT_S)
-            except TimeoutError:
-                _log.warning("engine core: no reply to this client's first call in %.0f s (attempt %d of %d)",
-                             _FIRST_CONTACT_S, attempt, _FIRST_CONTACT_TRIES)
-                continue
-            if attempt > 1:
-                _log.warning("engine core: replied at attempt %d", attempt)
-            return
-        raise EngineError("the shared engine core does not answer this client", EngineErrorKind.UNRECOVERABLE)
+        try:
+            await asyncio.wait_for(ask(), _FIRST_CONTACT_S)
+        except TimeoutError:
+            raise EngineError(f"the shared engine core did not answer this client in {_FIRST_CONTACT_S:.0f} s",
+                              EngineErrorKind.UNRECOVERABLE) from None
 
     async def _warm(self) -> None:
         """Short requests that run first-use paths before real traffic: greedy and sampled, with

@@ -9,9 +9,11 @@ addresses bound by the clients in 0.26): :func:`launch_core` speaks both.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
@@ -26,33 +28,64 @@ def slots_per_client(max_num_seqs: int, count: int) -> int:
     return math.ceil(4 * max_num_seqs / count) + 64
 
 
-def launch_core(vllm_config: Any, count: int, spawn: Callable[[list[dict[str, Any]]], list[Any]]) -> tuple[Any, Any, list[Any]]:
+@dataclass
+class CoreLaunch:
+    """One engine core started by :func:`launch_core`, for as long as it runs."""
+
+    manager: Any
+    """vLLM's engine process manager (``processes``, ``shutdown()``)."""
+    coordinator: Any
+    """vLLM's DP coordinator, or None (one rank)."""
+    clients: list[Any]
+    """What ``spawn`` returned."""
+    listeners: Any = None
+    """vLLM 0.3x: the client endpoints the launcher bound (``EngineZmqListeners``). Held until the
+    core stops: vLLM removes their IPC files when the object goes (its ``__del__``), and an engine
+    core that has not connected its output socket by then retries a missing path forever (its
+    clients then never get a reply)."""
+
+    def stop(self) -> None:
+        """Stop the engine core (and coordinator), then remove the endpoints' IPC files."""
+        for obj in (self.manager, self.coordinator):
+            if obj is not None:
+                with contextlib.suppress(Exception):
+                    obj.shutdown()
+        if self.listeners is not None:
+            with contextlib.suppress(Exception):
+                self.listeners.cleanup()
+            self.listeners = None
+
+
+def launch_core(vllm_config: Any, count: int, spawn: Callable[[list[dict[str, Any]]], list[Any]]) -> CoreLaunch:
     """Start vLLM's engine core(s) for ``count`` clients; ``spawn(client_configs)`` starts the
-    client processes while the engine starts (vLLM's handshake waits for both). Returns
-    (engine manager, DP coordinator or None, what ``spawn`` returned)."""
+    client processes while the engine starts (vLLM's handshake waits for both)."""
     from vllm.v1.engine import utils as vu
     from vllm.v1.executor import Executor
 
     executor = Executor.get_class(vllm_config)
     if hasattr(vu, "bind_engine_zmq_listeners"):  # vLLM 0.3x: the launcher binds, clients inherit
         listeners = vu.bind_engine_zmq_listeners(vllm_config, count)
-        with vu.launch_core_engines(vllm_config, executor, False, listeners.addresses) as launch:
-            stats = launch.coordinator.get_stats_publish_address() if launch.coordinator else None
-            configs = []
-            for i, (inp, out) in enumerate(zip(listeners.inputs, listeners.outputs, strict=True)):
-                c: dict[str, Any] = {
-                    "input_address": inp.address, "output_address": out.address,
-                    "input_listener": inp.socket, "output_listener": out.socket,
-                    "client_count": count, "client_index": i,
-                }
-                if stats is not None:
-                    c["stats_update_address"] = stats
-                configs.append(c)
-            procs = spawn(configs)
-            for listener in (*listeners.inputs, *listeners.outputs):
-                listener.close()
-            launch.watched_frontend_processes = procs
-        return launch.engine_manager, launch.coordinator, procs
+        try:
+            with vu.launch_core_engines(vllm_config, executor, False, listeners.addresses) as launch:
+                stats = launch.coordinator.get_stats_publish_address() if launch.coordinator else None
+                configs = []
+                for i, (inp, out) in enumerate(zip(listeners.inputs, listeners.outputs, strict=True)):
+                    c: dict[str, Any] = {
+                        "input_address": inp.address, "output_address": out.address,
+                        "input_listener": inp.socket, "output_listener": out.socket,
+                        "client_count": count, "client_index": i,
+                    }
+                    if stats is not None:
+                        c["stats_update_address"] = stats
+                    configs.append(c)
+                procs = spawn(configs)
+                for listener in (*listeners.inputs, *listeners.outputs):
+                    listener.close()  # the clients hold the listening sockets now; the files stay
+                launch.watched_frontend_processes = procs
+        except BaseException:
+            listeners.cleanup()
+            raise
+        return CoreLaunch(launch.engine_manager, launch.coordinator, procs, listeners)
     old: Any = vu  # vLLM 0.26 (the GPU hosts' release): the clients bind their addresses
     addresses = old.get_engine_zmq_addresses(vllm_config, count)
     launched: Any
@@ -67,13 +100,14 @@ def launch_core(vllm_config: Any, count: int, spawn: Callable[[list[dict[str, An
                 c["stats_update_address"] = stats
             configs.append(c)
         procs = spawn(configs)
-    return manager, coordinator, procs
+    return CoreLaunch(manager, coordinator, procs)
 
 
-def core_config(proto: VllmCodeEngine, table: FrameTable, count: int) -> Any:
+def core_config(proto: VllmCodeEngine, table: FrameTable, count: int, memory_share: float = 1.0) -> Any:
     """vLLM's engine config for a core shared by ``count`` clients, in this process's environment
     (the launch environment of ``proto``, the frame table's, the children's), with our model
-    plugin registered."""
+    plugin registered. ``memory_share``: the part of ``gpu_memory_utilization`` this core takes
+    (one of several engine cores on the device)."""
     from engine.vllm._env import child_env
     from engine.vllm.plugin import register
 
@@ -88,6 +122,7 @@ def core_config(proto: VllmCodeEngine, table: FrameTable, count: int) -> Any:
     args = proto.engine_args()
     args._api_process_count = count
     args._api_process_rank = -1
+    args.gpu_memory_utilization *= memory_share
     return args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
 
 

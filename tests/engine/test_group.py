@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 import pytest
 
+from tests.groupdiag import log_tail, spy_group
 from tests.transcript import Transcript, fast_client
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,26 +37,12 @@ def _health(port: int) -> dict[str, Any] | None:
         return None
 
 
-NO_ANSWER = "does not answer this client"
-"""The group's known start failure on the 2-core CI host (``VllmCodeEngine._first_contact``): the
-engine core answered neither gateway process's first call; the group exits 1 (for a service manager
-to restart it). Cause not found yet; the tests start such a group once more, as a restart would."""
-
-
-async def _start(model_dir: Path, port: int, log: Path) -> asyncio.subprocess.Process:
-    try:
-        return await _start_once(model_dir, port, log)
-    except AssertionError:
-        if NO_ANSWER not in _text(log):
-            raise
-        print(f"[group] start failed with {NO_ANSWER!r}; starting the group again", flush=True)
-        os.rename(log, log.with_name(log.stem + "-failed.log"))
-        return await _start_once(model_dir, port, log)
-
-
-async def _start_once(model_dir: Path, port: int, log: Path) -> asyncio.subprocess.Process:
+async def _start(model_dir: Path, port: int, log: Path, cores: int = 1) -> asyncio.subprocess.Process:
+    """``voicegw serve`` with two gateway processes on ``cores`` engine cores, returned once both
+    gateway processes answer ``/healthz``."""
     args = [
         "-m", "voicegw.cli", "serve", "--gateway.port", str(port), "--gateway.processes", "2",
+        "--gateway.engine_cores", str(cores),
         "--gateway.shutdown_grace_s", "5", "--engine.backend", "vllm", "--engine.device", "cpu",
         "--engine.model_dir", str(model_dir), "--engine.max_num_seqs", "16", "--engine.max_model_len", "512",
         "--engine.enforce_eager", "true", "--engine.kv_cache_gib", "0.05", "--engine.default_speaker", "2222",
@@ -69,7 +56,7 @@ async def _start_once(model_dir: Path, port: int, log: Path) -> asyncio.subproce
     try:
         for _ in range(3000):  # 5 min: engine core, two gateways, the decoder (2 CPU cores, beside the session's engine)
             if proc.returncode is not None:
-                raise AssertionError(f"serve exited {proc.returncode}: {_text(log)[-3000:]}")
+                raise AssertionError(f"serve exited {proc.returncode}:\n{log_tail(log)}")
             if _text(log).count("gateway listening on") >= 2:
                 h = await asyncio.to_thread(_health, port)
                 if h is not None:
@@ -78,8 +65,8 @@ async def _start_once(model_dir: Path, port: int, log: Path) -> asyncio.subproce
                         return proc
             await asyncio.sleep(0.1)
         kids = [_cmdline(p)[:60] for p in _children(proc.pid)]
-        lines = [ln for ln in _text(log).splitlines() if "voicegw.load" not in ln]
-        raise AssertionError(f"the group did not come up in 300 s (children {kids}): " + "\n".join(lines[-40:]))
+        stacks = await asyncio.to_thread(spy_group, proc.pid)
+        raise AssertionError(f"the group did not come up in 300 s (children {kids}):\n{log_tail(log)}\n{stacks}")
     except BaseException:
         _kill_group(proc.pid)  # a failed start leaves nothing running for the tests after it
         if proc.returncode is None:
@@ -123,6 +110,14 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def _listening_ipc_paths(pids: list[int]) -> list[str]:
+    """Paths the processes' Unix sockets are bound to (vLLM's client endpoints: the listening
+    sockets and the connections accepted on them)."""
+    import psutil
+
+    return sorted({str(c.laddr) for pid in pids for c in psutil.Process(pid).net_connections(kind="unix") if c.laddr})
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -144,35 +139,48 @@ async def test_gateway_processes_share_one_engine_core_and_the_port(tiny_model_d
             assert t.samples > 0
             assert not t.errors()
         started = _text(tmp_path / "serve.log")
-        assert "2 gateway processes on one engine core" in started
-        assert "one decoder process" in started  # the group's one decoder process
+        assert "2 gateway processes on 1 engine core(s)" in started
+        assert "1 decoder process(es)" in started  # the group's one decoder process
         # the launcher's children: two gateway processes, one engine core, one decoder process
         kids = [_cmdline(p) for p in _children(proc.pid)]
         assert sum("voicegw-gateway-" in k for k in kids) == 2, kids
         assert sum("engine.decoder.worker" in k for k in kids) == 1, kids
         assert any("EngineCore" in k for k in kids), kids
+        # the engine core's endpoints in the gateway processes (vLLM's IPC listeners) keep their
+        # files while the group runs: an engine core connecting late must find them
+        paths = _listening_ipc_paths([p for p in _children(proc.pid) if "voicegw-gateway-" in _cmdline(p)])
+        assert len(paths) == 4, paths  # input and output endpoint per gateway process
+        assert all(os.path.exists(p) for p in paths), paths
         # graceful stop: SIGTERM to the launcher drains both gateways, then the engine core stops
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 60) == 0
         assert _text(tmp_path / "serve.log").count("gateway stopped") == 2
+        assert not any(os.path.exists(p) for p in paths), paths  # removed when the group ends
     finally:
         _kill_group(proc.pid)  # whatever is left of the group (none when it stopped cleanly)
         if proc.returncode is None:
             await proc.wait()
 
 
-async def test_the_group_stops_when_its_engine_core_dies(tiny_model_dir: Path, tmp_path: Path) -> None:
+async def test_the_group_stops_when_one_of_its_engine_cores_dies(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Two engine cores (``gateway.engine_cores`` 2), one gateway process and one decoder each:
+    both cores speak; SIGKILL of one stops the whole group (exit 1)."""
     port = _free_port()
     log = tmp_path / "serve.log"
-    proc = await _start(tiny_model_dir, port, log)
+    proc = await _start(tiny_model_dir, port, log, cores=2)
     try:
-        gateways = [p for p in _children(proc.pid) if "voicegw-gateway-" in _cmdline(p)]
-        decoders = [p for p in _children(proc.pid) if "engine.decoder.worker" in _cmdline(p)]
-        assert len(gateways) == 2 and len(decoders) == 1
-        text = _text(log)
-        core = [int(line.split("pid=")[1].split(")")[0]) for line in text.splitlines() if line.startswith("(EngineCore pid=")]
-        assert core
-        os.kill(core[0], signal.SIGKILL)
+        kids = _children(proc.pid)
+        gateways = [p for p in kids if "voicegw-gateway-" in _cmdline(p)]
+        decoders = [p for p in kids if "engine.decoder.worker" in _cmdline(p)]
+        cores = [p for p in kids if "EngineCore" in _cmdline(p)]
+        assert len(gateways) == 2 and len(decoders) == 2 and len(cores) == 2, [_cmdline(p) for p in kids]
+        assert "2 gateway processes on 2 engine core(s)" in _text(log)
+        # the kernel spreads connections over both gateway processes, so both cores speak
+        pids = {int(h["pid"]) for h in await asyncio.gather(*(asyncio.to_thread(_health, port) for _ in range(24))) if h}
+        assert len(pids) == 2
+        for t in await asyncio.gather(*(_speak(port, f"Session {i} speaks on one of two cores.") for i in range(4))):
+            assert t.samples > 0 and not t.errors()
+        os.kill(cores[1], signal.SIGKILL)
         rc = await asyncio.wait_for(proc.wait(), 60)
         assert rc == 1
         assert "stopping the others" in _text(log)
@@ -249,31 +257,27 @@ def test_a_failed_group_start_leaves_no_shared_memory_files(tiny_model_dir: Path
     assert before() == old
 
 
-async def test_a_lost_first_reply_is_asked_again(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """A shared engine core's client asks its first question again when no reply comes, and gives
-    up with an unrecoverable error (the gateway process exits; the launcher stops the group) when
-    none ever comes."""
+async def test_a_silent_engine_core_stops_its_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared engine core's client whose first question gets no reply within the deadline gives
+    up with an unrecoverable error (the gateway process exits; the launcher stops the group)."""
     import typing
 
     import engine.vllm.engine as ve
-    from engine.api import EngineError
+    from engine.api import EngineError, EngineErrorKind
 
     monkeypatch.setattr(ve, "_FIRST_CONTACT_S", 0.05)
 
     class Core:
-        def __init__(self, answer_from: int) -> None:
-            self.calls, self.answer_from = 0, answer_from
-
         async def get_supported_tasks(self) -> tuple[str, ...]:
-            self.calls += 1
-            if self.calls < self.answer_from:
-                await asyncio.sleep(3600)  # this reply never comes
+            await asyncio.sleep(3600)  # this reply never comes
+            return ("generate",)
+
+    class Answering:
+        async def get_supported_tasks(self) -> tuple[str, ...]:
             return ("generate",)
 
     engine = typing.cast(ve.VllmCodeEngine, object())  # _first_contact uses only the client it is given
-    late = Core(answer_from=3)
-    await ve.VllmCodeEngine._first_contact(engine, late)
-    assert late.calls == 3
-    assert "replied at attempt 3" in caplog.text
-    with pytest.raises(EngineError):
-        await ve.VllmCodeEngine._first_contact(engine, Core(answer_from=99))
+    await ve.VllmCodeEngine._first_contact(engine, Answering())
+    with pytest.raises(EngineError) as err:
+        await ve.VllmCodeEngine._first_contact(engine, Core())
+    assert err.value.kind is EngineErrorKind.UNRECOVERABLE

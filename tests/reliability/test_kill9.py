@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from engine.shm import shm_dir
-from tests.engine.test_group import NO_ANSWER
+from tests.groupdiag import log_tail, spy_group
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [
@@ -53,20 +53,7 @@ def _health(port: int) -> dict[str, Any] | None:
 
 def _start(model_dir: Path, port: int, processes: int, log: Path, timeout_s: float = 300.0) -> subprocess.Popen[bytes]:
     """``voicegw serve`` in a session of its own (the test's fallback cleanup kills that process
-    group), returned once ``/healthz`` is healthy from every gateway process. A group that fails
-    with the known start failure of the 2-core CI host (``tests/engine/test_group.py``'s
-    ``NO_ANSWER``) is started once more, as a service manager would."""
-    try:
-        return _start_once(model_dir, port, processes, log, timeout_s)
-    except AssertionError:
-        if NO_ANSWER not in log.read_text():
-            raise
-        print(f"[kill9] start failed with {NO_ANSWER!r}; starting again", flush=True)
-        os.rename(log, log.with_name(log.stem + "-failed.log"))
-        return _start_once(model_dir, port, processes, log, timeout_s)
-
-
-def _start_once(model_dir: Path, port: int, processes: int, log: Path, timeout_s: float) -> subprocess.Popen[bytes]:
+    group), returned once ``/healthz`` is healthy from every gateway process."""
     args = [
         sys.executable, "-m", "voicegw.cli", "serve", "--gateway.port", str(port),
         "--gateway.processes", str(processes), "--gateway.shutdown_grace_s", "2",
@@ -82,14 +69,14 @@ def _start_once(model_dir: Path, port: int, processes: int, log: Path, timeout_s
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise AssertionError(f"serve exited {proc.returncode}: {log.read_text()[-3000:]}")
+                raise AssertionError(f"serve exited {proc.returncode}:\n{log_tail(log)}")
             h = _health(port)
             if h is not None and h.get("healthy"):
                 pids.add(int(h["pid"]))
                 if len(pids) >= processes:
                     return proc
             time.sleep(0.2)
-        raise AssertionError(f"not healthy in {timeout_s:.0f} s: {log.read_text()[-3000:]}")
+        raise AssertionError(f"not healthy in {timeout_s:.0f} s:\n{log_tail(log)}\n{spy_group(proc.pid)}")
     except BaseException:
         _cleanup(proc)
         raise
