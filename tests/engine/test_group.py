@@ -150,12 +150,12 @@ async def test_gateway_processes_share_one_engine_core_and_the_port(tiny_model_d
         # files while the group runs: an engine core connecting late must find them
         paths = _listening_ipc_paths([p for p in _children(proc.pid) if "voicegw-gateway-" in _cmdline(p)])
         assert len(paths) == 4, paths  # input and output endpoint per gateway process
-        assert all(os.path.exists(p) for p in paths), paths
+        assert all(Path(p).exists() for p in paths), paths
         # graceful stop: SIGTERM to the launcher drains both gateways, then the engine core stops
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 60) == 0
         assert _text(tmp_path / "serve.log").count("gateway stopped") == 2
-        assert not any(os.path.exists(p) for p in paths), paths  # removed when the group ends
+        assert not any(Path(p).exists() for p in paths), paths  # removed when the group ends
     finally:
         _kill_group(proc.pid)  # whatever is left of the group (none when it stopped cleanly)
         if proc.returncode is None:
