@@ -110,6 +110,10 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def _exists(path: str) -> bool:
+    return os.path.exists(path)
+
+
 def _listening_ipc_paths(pids: list[int]) -> list[str]:
     """Paths the processes' Unix sockets are bound to (vLLM's client endpoints: the listening
     sockets and the connections accepted on them)."""
@@ -150,12 +154,12 @@ async def test_gateway_processes_share_one_engine_core_and_the_port(tiny_model_d
         # files while the group runs: an engine core connecting late must find them
         paths = _listening_ipc_paths([p for p in _children(proc.pid) if "voicegw-gateway-" in _cmdline(p)])
         assert len(paths) == 4, paths  # input and output endpoint per gateway process
-        assert all(Path(p).exists() for p in paths), paths
+        assert all(map(_exists, paths)), paths
         # graceful stop: SIGTERM to the launcher drains both gateways, then the engine core stops
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 60) == 0
         assert _text(tmp_path / "serve.log").count("gateway stopped") == 2
-        assert not any(Path(p).exists() for p in paths), paths  # removed when the group ends
+        assert not any(map(_exists, paths)), paths  # removed when the group ends
     finally:
         _kill_group(proc.pid)  # whatever is left of the group (none when it stopped cleanly)
         if proc.returncode is None:
