@@ -621,9 +621,18 @@ MAX_LINE_AUDIO_BYTES: Final = 65_536
 """``/stream/with-timestamps``: most audio bytes in one JSON line (~1.4 s of 24 kHz PCM)."""
 
 
+HELD_BYTES: Final = 2
+"""``/stream/with-timestamps``: the last bytes of the audio so far are held back (one 16-bit sample)
+so that the line with a segment's alignment carries audio, as the vendor's lines do."""
+
+
 class TimestampsResponder(AudioResponder):
     """``with-timestamps``: JSON with base64 audio and character ``alignment``, one object at the
-    end, or (``/stream``) one line per segment as each segment's audio is complete."""
+    end; or (``/stream``) JSON lines as the audio arrives: audio lines (``alignment`` null) as each
+    piece of audio comes from the engine, and when a segment's audio is complete a line with the
+    segment's character times (times from the start of the answer, as the vendor's), carrying the
+    audio not sent yet (at least ``HELD_BYTES``). The first audio leaves with the engine's first
+    chunk, not after the whole first segment."""
 
     def __init__(self, req: AudioRequest) -> None:
         # the WAV header goes at the start of the (base64) audio, not before the JSON
@@ -643,7 +652,26 @@ class TimestampsResponder(AudioResponder):
 
     def _on_audio(self, pcm16: bytes) -> list[HttpOut]:
         self._seg_audio += self.encoder.encode(pcm16)
-        return []
+        if not self.req.stream or len(self._seg_audio) <= HELD_BYTES:
+            return []
+        audio = bytes(self._seg_audio[:-HELD_BYTES])
+        del self._seg_audio[:-HELD_BYTES]
+        return self._head() + self._lines(audio, None)
+
+    def _lines(self, audio: bytes, alignment: tuple[list[str], list[float], list[float]] | None) -> list[HttpOut]:
+        """JSON lines for ``audio`` (at most ``MAX_LINE_AUDIO_BYTES`` each: clients read a line into
+        a bounded buffer; aiohttp's default is 512 KiB, Pipecat's ElevenLabsHttpTTSService uses it),
+        the last one carrying ``alignment`` (an alignment-only line when there is no audio)."""
+        pieces = [audio[i:i + MAX_LINE_AUDIO_BYTES] for i in range(0, len(audio), MAX_LINE_AUDIO_BYTES)]
+        out: list[HttpOut] = []
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            al = self._alignment(*alignment) if last and alignment is not None else {"alignment": None,
+                                                                                    "normalized_alignment": None}
+            out.append(Body(orjson.dumps({"audio_base64": base64.b64encode(piece).decode(), **al}) + b"\n"))
+        if not pieces and alignment is not None:
+            out.append(Body(orjson.dumps(self._alignment(*alignment)) + b"\n"))
+        return out
 
     def _segment(self, msg: P.SegmentStarted | P.SegmentDone) -> list[HttpOut]:
         if isinstance(msg, P.SegmentStarted):
@@ -657,10 +685,9 @@ class TimestampsResponder(AudioResponder):
 
     def _segment_done(self, samples: int) -> list[HttpOut]:
         """A segment's audio is complete: its characters' times (an estimate within the segment,
-        ``segmenter.char_timings``), as one JSON line when streaming."""
+        ``segmenter.char_timings``), in a JSON line with the audio not sent yet when streaming."""
         dur_ms = samples * 1000.0 / self.req.fmt.session_rate_hz
         chars, starts, durs, _ = self._alignment_of.done_ms(samples, self.req.fmt.session_rate_hz) or ([], [], [], 0)
-        t0 = round(self._t_ms / 1000.0, 3)
         s0 = [round((self._t_ms + a) / 1000.0, 3) for a in starts]
         e0 = [round((self._t_ms + a + d) / 1000.0, 3) for a, d in zip(starts, durs, strict=True)]
         self._t_ms += dur_ms
@@ -671,23 +698,9 @@ class TimestampsResponder(AudioResponder):
             self._starts_s += s0
             self._ends_s += e0
             return []
-        out = self._head()
-        # lines of at most MAX_LINE_AUDIO_BYTES of audio (clients read a line into a bounded
-        # buffer: aiohttp's default is 512 KiB, Pipecat's ElevenLabsHttpTTSService uses it); each
-        # line carries the characters that start in its stretch of the segment's audio
-        n_pieces = max(1, -(-len(audio) // MAX_LINE_AUDIO_BYTES))
-        seg_start_s, seg_end_s = t0, round((self._t_ms) / 1000.0, 3)
-        k = 0
-        for i in range(n_pieces):
-            piece = audio[i * MAX_LINE_AUDIO_BYTES:(i + 1) * MAX_LINE_AUDIO_BYTES]
-            until_s = seg_start_s + (seg_end_s - seg_start_s) * (i + 1) / n_pieces
-            j = len(chars) if i == n_pieces - 1 else k
-            while i < n_pieces - 1 and j < len(chars) and s0[j] < until_s:
-                j += 1
-            line = {"audio_base64": base64.b64encode(piece).decode(), **self._alignment(chars[k:j], s0[k:j], e0[k:j])}
-            out.append(Body(orjson.dumps(line) + b"\n"))
-            k = j
-        return out
+        if not chars and not audio:
+            return []
+        return self._head() + self._lines(audio, (chars, s0, e0))
 
     def _complete(self, tail: bytes) -> list[HttpOut]:
         out: list[HttpOut] = []

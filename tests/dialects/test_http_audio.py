@@ -171,11 +171,36 @@ async def test_stream_with_timestamps_lines_stay_small(make_gateway: GatewayFact
                                 headers={"xi-api-key": "xi-test"})
     lines = [orjson.loads(x) for x in r.content.splitlines() if x.strip()]
     sizes = [len(base64.b64decode(x["audio_base64"])) for x in lines]
-    assert len(lines) > 2 and max(sizes) <= MAX_LINE_AUDIO_BYTES
-    chars = "".join(c for x in lines for c in x["alignment"]["characters"])
+    assert len(lines) > 2 and max(sizes) <= MAX_LINE_AUDIO_BYTES and min(sizes) > 0
+    aligned = [x["alignment"] for x in lines if x["alignment"] is not None]
+    chars = "".join(c for a in aligned for c in a["characters"])
     assert chars == text.strip()
-    starts = [t for x in lines for t in x["alignment"]["character_start_times_seconds"]]
+    starts = [t for a in aligned for t in a["character_start_times_seconds"]]
     assert starts == sorted(starts)
+
+
+async def test_stream_with_timestamps_first_audio_leaves_before_the_segment_ends(make_gateway: GatewayFactory) -> None:
+    """``/stream/with-timestamps`` sends audio as the engine makes it (alignment null), not once a
+    segment is complete: a segment of ~3 s of audio made at 2x real time gives its first audio line
+    in well under its 1.5 s of generation, then its alignment in the line that ends it."""
+    import time
+
+    text = "This single sentence is long enough to take a few seconds of audio to speak"
+    engine = FakeSpeechEngine(ms_per_char=40.0, speed=2.0, chunk_ms=100.0)
+    async with make_gateway(engine) as server, httpx.AsyncClient(timeout=30) as http:
+        t0 = time.monotonic()
+        async with http.stream("POST", f"{server.url}/v1/text-to-speech/{RACHEL}/stream/with-timestamps",
+                               params={"output_format": "pcm_24000"}, json={"text": text},
+                               headers={"xi-api-key": "xi-test"}) as r:
+            first_s = None
+            lines = []
+            async for raw in r.aiter_lines():
+                if raw.strip():
+                    lines.append(orjson.loads(raw))
+                    first_s = first_s if first_s is not None else time.monotonic() - t0
+            total_s = time.monotonic() - t0
+    assert lines[0]["alignment"] is None and lines[-1]["alignment"] is not None
+    assert first_s is not None and first_s < 0.5 < total_s, (first_s, total_s)
 
 
 def _sdk_output_formats() -> tuple[str, ...]:

@@ -42,11 +42,16 @@ class Audio:
     pcm: bytearray = field(default_factory=bytearray)
     words: int | None = None
     word_times_s: list[tuple[float, float]] = field(default_factory=list)
+    started_s: float = field(default_factory=time.monotonic)
+    first_audio_s: float | None = None
+    """Seconds from the call's start to its first audio (the clients that stream it)."""
 
     def add(self, data: bytes, rate_hz: int) -> None:
         if self.rate_hz and rate_hz != self.rate_hz:
             raise AssertionError(f"sample rate changed {self.rate_hz} -> {rate_hz}")
         self.rate_hz = rate_hz
+        if data and self.first_audio_s is None:
+            self.first_audio_s = round(time.monotonic() - self.started_s, 3)
         self.pcm += data
 
 
@@ -410,19 +415,11 @@ async def main() -> int:
         row: dict[str, Any] = {"client": shown, "version": version(dist), "call": call, "case": fn.__name__}
         t0 = time.monotonic()
         try:
-            try:
-                audio = await asyncio.wait_for(fn(a), TIMEOUT_S + 30)
-            except RuntimeError as e:
-                # Pipecat's ElevenLabs HTTP service has, in about one CI run in four, reported a
-                # context "completed with no audio" (cause not found yet): one more try, recorded
-                if "completed with no audio" not in str(e):
-                    raise
-                row["retried_after"] = str(e)[:200]
-                audio = await asyncio.wait_for(fn(a), TIMEOUT_S + 30)
+            audio = await asyncio.wait_for(fn(a), TIMEOUT_S + 30)
             pcm = np.frombuffer(bytes(audio.pcm), dtype=np.int16)
             row.update(ok=pcm.size > 0 and audio.rate_hz > 0, rate_hz=audio.rate_hz, samples=int(pcm.size),
                        peak=round(float(np.abs(pcm).max() / 32768.0), 3) if pcm.size else 0.0,
-                       words=audio.words, error=None if pcm.size else "no audio",
+                       words=audio.words, error=None if pcm.size else "no audio", first_audio_s=audio.first_audio_s,
                        word_times_s=[[round(a, 3), round(b, 3)] for a, b in audio.word_times_s])
         except BaseException as e:  # noqa: BLE001 (one row per call, whatever it raised)
             if isinstance(e, KeyboardInterrupt):

@@ -87,7 +87,8 @@ async def test_released_clients_by_base_url(counting_engine: CountingEngine, mak
     assert [r["case"] for r in rows] == list(RATES), log
     for r in rows:
         sys.stdout.write(f"{r['client']} {r['version']} {r['call']}: ok={r['ok']} {r['rate_hz']} Hz "
-                         f"{r['samples']} samples words={r['words']} {r['wall_s']} s {r['error'] or ''}\n")
+                         f"{r['samples']} samples words={r['words']} first audio {r.get('first_audio_s')} s {r['wall_s']} s "
+                         f"{r['error'] or ''}\n")
     failed = [f"{r['call']}: {r['error']}" for r in rows if not r["ok"]]
     assert not failed, "\n".join(failed) + "\n" + log
     for r in rows:
