@@ -31,9 +31,15 @@ uses), not a broker of ours:
   socket and one range of sample rows per gateway process (``engine.vllm.launch.shared_decoder_plan``):
   one batch for the core's sessions, rather than one decoder per gateway process with a quarter of
   the batch each (bench/RESULTS.md).
-* **Failure**: vLLM's front end cannot restart an engine core it did not launch. When an engine
-  core, a decoder or a gateway process dies, this process stops the others (1012 to clients: reconnect and
-  resume) and exits 1, for the service manager to start the group again.
+* **Failure, healed**: when an engine core dies, this process tells its gateway processes (vLLM's
+  client of an engine core it did not start cannot see it: ``{"event": "dead"}`` on each one's
+  control pipe, ``SharedClient.control``; their sessions get ``engine_unavailable`` and 1011,
+  ``/healthz`` turns 503), starts a new engine core for the same clients and sends them its client
+  config (``{"event": "core"}``); each gateway process reconnects and warms up (``/healthz`` 200
+  again). At most 3 such restarts in 10 minutes (``RestartBudget``), then the group stops (exit 1).
+* **Failure, not healed**: when a gateway or decoder process dies, this process stops the others
+  (1012 to clients: reconnect and resume) and exits 1, for the service manager to start the group
+  again.
 * **Death of this process** (``kill -9`` included): every process of the group (engine core and
   its workers, gateway processes, the decoder) dies with it within a second (``engine.lifeline``);
   the next start removes the shared-memory files left behind (``engine.shm.remove_stale``).
@@ -53,7 +59,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from engine.vllm.channel import FrameTable
@@ -141,6 +147,7 @@ def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameT
         plans.append(plan)
 
     procs: list[Any] = []  # the gateway processes spawn() started (also when launch_core fails after it)
+    controls: list[Any] = []  # per gateway process: where a replacement engine core's client config goes
 
     def spawner(core: int) -> Any:
         loads = ctx.RawArray("q", m)  # the requests each of this core's clients holds
@@ -148,14 +155,32 @@ def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameT
         def spawn(configs: list[dict[str, Any]]) -> list[Any]:
             for j, c in enumerate(configs):
                 i = core * m + j  # the process's place in the group: its frame-table slots
-                shared = SharedClient(c, j, m, table.spec.to_env(), i * per, (i + 1) * per, loads, plans[core][1][j])
+                theirs_end, ours_end = ctx.Pipe(duplex=False)
+                shared = SharedClient(c, j, m, table.spec.to_env(), i * per, (i + 1) * per, loads, plans[core][1][j],
+                                      control=theirs_end)
                 p = ctx.Process(target=_gateway_process, args=(cfg, shared), name=f"voicegw-gateway-{i}")
                 with _lifeline_env():  # started from this thread: PR_SET_PDEATHSIG is safe there
                     p.start()
+                theirs_end.close()
                 procs.append(p)
+                controls.append(ours_end)
             return procs
 
         return spawn
+
+    def heal(core: int) -> None:
+        """A new engine core for dead ``core``: its gateway processes get the new client configs
+        (listening sockets included: multiprocessing passes them) and reconnect by themselves."""
+        for j in range(m):
+            controls[core * m + j].send({"event": "dead"})  # vLLM's client cannot see it by itself
+        launched[core].stop()
+
+        def send(configs: list[dict[str, Any]]) -> list[Any]:
+            for j, c in enumerate(configs):
+                controls[core * m + j].send({"event": "core", "client_config": c})
+            return procs[core * m:(core + 1) * m]
+
+        launched[core] = launch_core(core_config(proto, table, m, 1 / cores), m, send)
 
     stop = _Signals()
     launched: list[CoreLaunch] = []
@@ -186,7 +211,7 @@ def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameT
                      "spawn %.1f s (the gateway processes log their own readiness)",
                      n, cores, [p.pid for p in procs], len(decoders), [d.pid for d in decoders],
                      t_launch - t0, t_core - t_launch, time.monotonic() - t_core)
-            code = _supervise(procs, [c.manager for c in launched], stop, cfg, decoders)
+            code = _supervise(procs, launched, stop, cfg, decoders, heal)
     finally:
         for c in launched:
             c.stop()
@@ -234,7 +259,28 @@ class _Signals:
                 signal.signal(s, h)
 
 
-def _supervise(procs: list[Any], managers: list[Any], stop: _Signals, cfg: Config, decoders: list[Any]) -> int:
+class RestartBudget:
+    """At most ``limit`` engine-core restarts within any ``window_s`` seconds."""
+
+    def __init__(self, limit: int = 3, window_s: float = 600.0) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self.times: list[float] = []
+
+    def allow(self, now: float) -> bool:
+        """Whether one more restart at ``now`` stays within the budget (it is counted if so)."""
+        self.times = [t for t in self.times if now - t < self.window_s]
+        if len(self.times) >= self.limit:
+            return False
+        self.times.append(now)
+        return True
+
+
+def _supervise(procs: list[Any], launched: list[CoreLaunch], stop: _Signals, cfg: Config, decoders: list[Any],
+               heal: Callable[[int], None], budget: RestartBudget | None = None) -> int:
+    """Forward signals; replace a dead engine core (``heal``, within ``budget``); stop the group
+    when a gateway or decoder process dies, or an engine core dies once too often."""
+    budget = budget or RestartBudget()
     forwarded = 0
     deadline: float | None = None
     while True:
@@ -251,14 +297,30 @@ def _supervise(procs: list[Any], managers: list[Any], stop: _Signals, cfg: Confi
             if deadline is not None and time.monotonic() > deadline:
                 _stop_all(procs, cfg, force=True)
                 return 0
-        elif (any(engine_dead(mgr) for mgr in managers) or any(not p.is_alive() for p in procs)
-              or any(d.poll() is not None for d in decoders)):
+        elif any(not p.is_alive() for p in procs) or any(d.poll() is not None for d in decoders):
             dead = [p.name for p in procs if not p.is_alive()]
             dead += [f"decoder process {d.pid}" for d in decoders if d.poll() is not None]
-            dead += [f"engine core {i}" for i, mgr in enumerate(managers) if engine_dead(mgr)]
             log.error("the group lost %s; stopping the others", ", ".join(dead))
             _stop_all(procs, cfg, force=False)
             return 1
+        else:
+            for k, core in enumerate(launched):
+                if not engine_dead(core.manager):
+                    continue
+                if not budget.allow(time.monotonic()):
+                    log.error("engine core %d died: more than %d restarts in %.0f s; stopping the group",
+                              k, budget.limit, budget.window_s)
+                    _stop_all(procs, cfg, force=False)
+                    return 1
+                log.warning("engine core %d died: starting a new one (its gateway processes reconnect)", k)
+                t0 = time.monotonic()
+                try:
+                    heal(k)
+                except Exception as exc:  # noqa: BLE001 - a core that cannot start: the group stops
+                    log.error("cannot start a new engine core %d: %s; stopping the group", k, exc)
+                    _stop_all(procs, cfg, force=False)
+                    return 1
+                log.warning("engine core %d replaced in %.1f s", k, time.monotonic() - t0)
         time.sleep(_POLL_S)
 
 

@@ -14,6 +14,7 @@ four codebooks itself) and computes no logprobs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import hashlib
@@ -82,6 +83,11 @@ class SharedClient:
     decoder: Any = None
     """``engine.decoder.client.SharedDecoder``: this process's share of the group's one decoder
     process (None: the gateway process starts its own)."""
+    control: Any = None
+    """``multiprocessing`` Connection (receiving end) from the launcher: ``{"event": "dead"}`` when
+    the engine core died (vLLM's client of an engine core it did not start cannot see that), then
+    ``{"event": "core", "client_config": ...}`` for the engine core started in its place
+    (``VllmCodeEngine.restart``). None: a dead engine core is unrecoverable."""
 
 
 def _detect_device(cfg: EngineConfig) -> str:
@@ -107,6 +113,9 @@ _ENV_LOCK = threading.Lock()
 """Serializes the environment patch of engine construction (``VllmCodeEngine._construct``)."""
 #: A shared engine core's first reply to a client (``_first_contact``): deadline.
 _FIRST_CONTACT_S = 120.0
+#: A client of a shared engine core that died: how long ``restart`` waits for the launcher's
+#: replacement (its engine core's start included).
+_NEW_CORE_WAIT_S = 600.0
 #: ``_admission_tick``: requests in the engine core from which new ones wait for the next tick.
 _TICK_MIN_RUNNING = 32
 
@@ -144,6 +153,9 @@ class VllmCodeEngine:
         self._stats: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._dead: str | None = None
         self._restart_lock = asyncio.Lock()
+        self._control_task: asyncio.Task[None] | None = None
+        self._replacement: dict[str, Any] | None = None
+        self._replaced = asyncio.Event()
         self._speakers: OrderedDict[str, ResolvedSpeaker | None] = OrderedDict()
         self.device = _detect_device(cfg)
         self.start_seconds: float | None = None
@@ -224,6 +236,8 @@ class VllmCodeEngine:
         self._llm = await asyncio.to_thread(self._construct, env)
         self._dead = None
         if self.shared is not None:
+            if self.shared.control is not None and self._control_task is None:
+                self._control_task = asyncio.create_task(self._listen_to_launcher(), name="launcher messages")
             await self._first_contact(self._llm)
         t1 = time.monotonic()
         if self._warmup:
@@ -359,17 +373,72 @@ class VllmCodeEngine:
         """A new engine core (warm-up included) for a dead one. Callers are serialized: one that
         waited while another restarted finds the engine healthy and returns (two restarts at once
         would shut down the engine the other just built, minutes later, under live traffic).
-        A client never restarts a shared engine core: the launching process stops the whole group
-        when it dies, for the service manager to start it again (``engine.vllm.launch``)."""
-        if self.shared is not None:
-            raise EngineError("the shared engine core died; the group is stopping", EngineErrorKind.UNRECOVERABLE)
+        A client of a shared engine core does not start one: it waits for the launcher's
+        replacement (``SharedClient.control``: the new core's client config) and connects to it."""
         async with self._restart_lock:
             if self._llm is not None and self.health().healthy:
                 return
+            if self.shared is not None and self.shared.control is None:
+                raise EngineError("the shared engine core died and none replaces it", EngineErrorKind.UNRECOVERABLE)
             await self._shutdown()
+            if self.shared is not None:
+                try:
+                    await asyncio.wait_for(self._replaced.wait(), _NEW_CORE_WAIT_S)
+                except TimeoutError:
+                    raise EngineError(f"no new engine core from the launcher in {_NEW_CORE_WAIT_S:.0f} s",
+                                      EngineErrorKind.UNRECOVERABLE) from None
+                config, self._replacement = self._replacement, None
+                self._replaced.clear()
+                assert config is not None
+                self.shared = dataclasses.replace(self.shared, client_config=config)
             await self.start()
 
+    async def _listen_to_launcher(self) -> None:
+        """Messages of the launcher (``SharedClient.control``), until the pipe closes."""
+        assert self.shared is not None
+        control = self.shared.control
+        loop = asyncio.get_running_loop()
+        readable = asyncio.Event()
+        loop.add_reader(control.fileno(), readable.set)
+        try:
+            while True:
+                await readable.wait()
+                readable.clear()
+                while control.poll(0):
+                    try:
+                        msg = control.recv()
+                    except (EOFError, OSError):
+                        return  # the launcher is gone (the group stops)
+                    if msg.get("event") == "dead":
+                        self._engine_core_died()
+                    elif msg.get("event") == "core":
+                        self._replacement = msg["client_config"]
+                        self._replaced.set()
+        finally:
+            loop.remove_reader(control.fileno())
+
+    def _engine_core_died(self) -> None:
+        """The launcher saw this client's engine core die: vLLM's own path for a dead engine core
+        (its output queue gets ``EngineDeadError``: every request stream raises it, new requests
+        are refused), which vLLM's client of an external engine core does not take by itself."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self._dead = "the shared engine core died"
+        _log.warning("engine core: the launcher reports it dead; waiting for its replacement")
+        core = getattr(self._llm, "engine_core", None)
+        resources = getattr(core, "resources", None)
+        if resources is not None:
+            resources.engine_dead = True
+        queue = getattr(core, "outputs_queue", None)
+        if queue is not None:
+            queue.put_nowait(EngineDeadError())
+
     async def close(self) -> None:
+        task, self._control_task = self._control_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await self._shutdown()
         if self._table is not None:
             self._table.close(unlink=self.shared is None)
