@@ -26,7 +26,8 @@ BOOT_DIR = Path(__file__).parent / "_boot"
 
 
 def prepare() -> None:
-    """Idempotent: make torch companions importable, then hide a broken torchcodec."""
+    """Idempotent: make torch companions importable, hide Triton beside a CPU-only torch, then
+    hide a broken torchcodec."""
     global _done
     if _done:
         return
@@ -34,6 +35,7 @@ def prepare() -> None:
     from engine._compat import ensure_torch_companions
 
     ensure_torch_companions()
+    _hide_triton_without_a_device()
     if "torchcodec" in sys.modules:
         return
     try:
@@ -45,6 +47,21 @@ def prepare() -> None:
             del sys.modules[name]
         sys.modules["torchcodec"] = None  # type: ignore[assignment]
         _log.debug("torchcodec unusable beside this torch (%s); hidden", exc)
+
+
+def _hide_triton_without_a_device() -> None:
+    """Beside a CPU-only torch Triton has no backend (vLLM disables it: "doesn't include CPU
+    backend"), yet importing it (torch's dynamo probes it) loads its nanobind extension, which
+    prints dozens of "nanobind: leaked ..." lines at every process exit (Ctrl-C of
+    ``voicegw serve`` included). Hidden there (``sys.modules[...] = None``: an ImportError for
+    ``import triton``, absent for ``find_spec``); a CUDA or ROCm torch keeps it."""
+    if "triton" in sys.modules:
+        return
+    import torch
+
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        sys.modules["triton"] = None  # type: ignore[assignment]
+        _log.debug("triton hidden: torch %s has no GPU backend", torch.__version__)
 
 
 def child_env() -> dict[str, str]:
