@@ -9,7 +9,7 @@ WebSocket ``stream-input``:
 Client: a first message ``{"text": " ", "voice_settings"?, "generation_config"?, "xi_api_key"?}``,
 then ``{"text": "...", "flush"?: bool, "try_trigger_generation"?: bool}``, and ``{"text": ""}`` to
 end. Server: ``{"audio": base64, "isFinal": false, "normalizedAlignment": null, "alignment": null}``
-per chunk, ``{"audio": null, "alignment": {...}, ...}`` after each segment (``Alignment``),
+per chunk, ``{"audio": "", "alignment": {...}, ...}`` after each segment (``Alignment``),
 ``{"isFinal": true}`` once everything is spoken, then close 1000. Mapping
 (docs/dialects/elevenlabs.md): text -> ``text.delta``; ``flush: true`` -> ``text.flush``;
 ``{"text": ""}`` -> ``text.end`` (+ barrier) -> ``isFinal`` -> close.
@@ -289,14 +289,15 @@ class ElevenLabsTranslator:
 
 
 def _alignment_message(al: Alignment, encoder: Encoder, msg: P.SegmentDone, cid: str | None) -> list[str]:
-    """``segment.done`` -> one message with the segment's character alignment (``audio: null``):
+    """``segment.done`` -> one message with the segment's character alignment and no audio
+    (``audio: ""``: the SDK's ``AudioOutput``/``AudioOutputMulti`` require a string):
     times in ms from the segment's start, ElevenLabs' "from the start of this message's audio",
     the segment being the span that the message times."""
     got = al.done(msg.samples, encoder.fmt.session_rate_hz)
     if got is None or not got[0]:
         return []
     a = {"chars": got[0], "charStartTimesMs": got[1], "charDurationsMs": got[2]}
-    obj: dict[str, Any] = {"audio": None, "isFinal": False, "normalizedAlignment": a, "alignment": a}
+    obj: dict[str, Any] = {"audio": "", "isFinal": False, "normalizedAlignment": a, "alignment": a}
     if cid is not None:
         obj["contextId"] = cid
     return [_json(obj)]
@@ -362,7 +363,7 @@ class ElevenLabsMultiTranslator:
       ``cancel {utterance_id}``), its audio still queued dropped, ``isFinal`` right after.
     * ``close_socket``: the connection closes (1000); the session's work stops.
     * Audio: ``{"audio", "isFinal": false, "contextId", "alignment": null, "normalizedAlignment":
-      null}``; after each segment its alignment (``audio: null``); errors ``{"error", "message",
+      null}``; after each segment its alignment (``audio: ""``); errors ``{"error", "message",
       "contextId"}``. ``{"text": ""}`` (a keep-alive) is a native ``ping``: it holds off the idle
       close (``inactivity_timeout``).
     """

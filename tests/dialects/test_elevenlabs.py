@@ -180,9 +180,14 @@ async def test_alignment_per_segment_and_inactivity_timeout(fake_engine: FakeSpe
         assert code == 1000 and got[-1] == {"isFinal": True}
         timed = [m for m in got if m.get("alignment")]
         assert len(timed) >= 2  # one per segment, after its audio
+        from elevenlabs.types.audio_output import AudioOutput
+        from elevenlabs.types.final_output import FinalOutput
+
+        for m in got:  # every message is one of the SDK's own types
+            (FinalOutput if m.get("isFinal") else AudioOutput).model_validate(m)
         for m in timed:
             a = m["alignment"]
-            assert m["audio"] is None and m["normalizedAlignment"] == a and m["isFinal"] is False
+            assert m["audio"] == "" and m["normalizedAlignment"] == a and m["isFinal"] is False
             assert len(a["chars"]) == len(a["charStartTimesMs"]) == len(a["charDurationsMs"])
             assert a["charStartTimesMs"][0] == 0 and all(isinstance(t, int) for t in a["charStartTimesMs"])
             assert all(t1 == t0 + d for t0, t1, d in zip(a["charStartTimesMs"], a["charStartTimesMs"][1:],

@@ -29,12 +29,18 @@ async def _send(ws: ClientConnection, **msg: Any) -> None:
 
 
 async def _until_final(ws: ClientConnection, cid: str, got: dict[str, bytearray], within_s: float = 60) -> list[Any]:
-    """Receive until ``isFinal`` for ``cid``; audio goes to ``got[contextId]``."""
+    """Receive until ``isFinal`` for ``cid``; audio goes to ``got[contextId]``. Every message
+    is one of the SDK's own types (``AudioOutputMulti``, ``FinalOutputMulti``) or an error."""
+    from elevenlabs.types.audio_output_multi import AudioOutputMulti
+    from elevenlabs.types.final_output_multi import FinalOutputMulti
+
     seen = []
     async with asyncio.timeout(within_s):
         while True:
             msg = orjson.loads(await ws.recv())
             seen.append(msg)
+            if "error" not in msg:
+                (FinalOutputMulti if msg.get("isFinal") else AudioOutputMulti).model_validate(msg)
             if msg.get("audio"):
                 got.setdefault(msg["contextId"], bytearray()).extend(base64.b64decode(msg["audio"]))
             if msg.get("isFinal") is True and msg.get("contextId") == cid:
