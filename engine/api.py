@@ -109,6 +109,45 @@ class AudioChunk:
     """True on the last yield of the request (``pcm`` may be empty)."""
     steps: int = 0
     """GPT steps behind this chunk (0 for non-ChatTTS engines)."""
+    codes: bytes = b""
+    """The code frames the engine generated for the request since the last yield, in the wire
+    form of :func:`codes_to_bytes` (``ResumeMode.CODES`` engines; else empty). Frames are
+    generated before their audio is decoded, so the codes of every sample yielded so far have
+    been yielded too: a client holding them can resume the segment there."""
+
+
+class ResumeMode(enum.Enum):
+    """How a segment a client received part of can be continued after its connection is lost."""
+
+    CODES = "codes"
+    """From the code frames already generated (``AudioChunk.codes``, given back as
+    ``SpeechRequest.prefix_codes``): the engine decodes them again and generates the rest as if
+    uninterrupted; the caller drops the samples the client has."""
+    SAMPLES = "samples"
+    """The engine makes the same audio again for the same request: the caller drops the samples
+    the client has."""
+    SEGMENT = "segment"
+    """Neither: the segment can only be spoken again from its start."""
+
+
+#: Bytes per code frame in the wire form (``NUM_CODEBOOKS`` little-endian int16).
+CODE_FRAME_BYTES = 2 * NUM_CODEBOOKS
+
+
+def codes_to_bytes(codes: np.ndarray) -> bytes:
+    """Code frames ``[n, NUM_CODEBOOKS]`` -> their wire form: little-endian int16, row-major."""
+    return np.ascontiguousarray(codes, dtype="<i2").tobytes()
+
+
+def codes_from_bytes(data: bytes) -> np.ndarray:
+    """The wire form -> int64 ``[n, NUM_CODEBOOKS]``; ``ValueError`` when ``data`` is not whole
+    frames or holds a code outside ``0 .. NUM_AUDIO_TOKENS - 2`` (EOS is never a frame's)."""
+    if len(data) % CODE_FRAME_BYTES:
+        raise ValueError(f"{len(data)} bytes is not a whole number of {CODE_FRAME_BYTES}-byte code frames")
+    arr = np.frombuffer(data, dtype="<i2").astype(np.int64).reshape(-1, NUM_CODEBOOKS)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= AUDIO_EOS):
+        raise ValueError("a code outside the codebook")
+    return arr
 
 
 class EngineErrorKind(enum.Enum):
@@ -172,6 +211,9 @@ class SpeechEngine(Protocol):
 
     name: str
     native_sample_rate_hz: int
+    resume_mode: ResumeMode
+    """How a partly received segment is continued (``SpeechRequest.prefix_codes``,
+    ``AudioChunk.codes``)."""
 
     async def start(self) -> None: ...
 

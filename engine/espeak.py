@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.api import AudioChunk, EngineError, EngineErrorKind, EngineHealth, SpeechRequest
+from engine.api import AudioChunk, EngineError, EngineErrorKind, EngineHealth, ResumeMode, SpeechRequest
 from engine.audio_format import StreamResampler, pcm16_bytes, pcm16_to_float
 
 log = logging.getLogger(__name__)
@@ -182,6 +182,8 @@ class EspeakSpeech:
 
     name = "espeak"
     native_sample_rate_hz = ESPEAK_SAMPLE_RATE_HZ
+    resume_mode = ResumeMode.SAMPLES
+    """eSpeak NG makes the same samples for the same text and voice (tests/engine/test_espeak.py)."""
 
     def __init__(
         self,

@@ -42,7 +42,9 @@ from engine.api import (
     CodeFrames,
     EngineError,
     EngineHealth,
+    ResumeMode,
     SpeechRequest,
+    codes_to_bytes,
 )
 from engine.audio_format import SUPPORTED_RATES_HZ, StreamResampler, float_to_pcm16
 from engine.decoder.window import ChunkPolicy, StreamLead
@@ -99,6 +101,10 @@ class ChatTTSSpeech:
         self.restarting = False
         self.restarts_s: list[float] = []
         """Seconds each completed restart took (watchdog)."""
+        self.resume_mode = (ResumeMode.CODES if getattr(code_engine, "supports_resume", False) and not self.use_hidden
+                            else ResumeMode.SEGMENT)
+        """CODES where the code engine continues from ``prefix_codes`` and the decoder vocodes codes
+        (the hidden-state decoder would need the prefix's hidden states, which nobody keeps)."""
         self._watchdog: asyncio.Task[None] | None = None
         self._restart_task: asyncio.Task[bool] | None = None
 
@@ -218,6 +224,16 @@ class ChatTTSSpeech:
         received = decoded = reported = 0
         loop = asyncio.get_running_loop()
         lead = StreamLead(SAMPLES_PER_STEP / NATIVE_SAMPLE_RATE_HZ)
+        prefix = request.prefix_codes
+        if prefix is not None and len(prefix):
+            if self.resume_mode is not ResumeMode.CODES:
+                raise EngineError(f"{self.name}: a segment cannot be resumed from its codes here")
+            # the frames a client already has audio of: decoded again (the decoder's context), the
+            # code engine continues after them and yields only the new ones
+            pending.append(np.asarray(prefix, dtype=np.int64))
+            received = len(prefix)
+        heard_steps = float(received)
+        codes: list[bytes] = []
         frames_iter: AsyncIterator[CodeFrames] = self._code.generate(request)
         finished = False
         t_arrival0: float | None = None
@@ -231,6 +247,8 @@ class ChatTTSSpeech:
                 if x is not None and x.shape[0]:
                     pending.append(x)
                     received += x.shape[0]
+                    if self.resume_mode is ResumeMode.CODES:
+                        codes.append(codes_to_bytes(x))
                     if t_arrival0 is None:
                         t_arrival0, arrival0 = loop.time(), received
                 final = frames.finished
@@ -242,14 +260,19 @@ class ChatTTSSpeech:
                     take, pending = _split_steps(pending, n)
                     audio = await self._push(stream, take, last, decoded + n)
                     decoded += n
-                    lead.emitted(audio.shape[0] / SAMPLES_PER_STEP, loop.time())
+                    steps_out = audio.shape[0] / SAMPLES_PER_STEP
+                    unheard = min(steps_out, heard_steps)  # a resumed segment's prefix: the client has it
+                    heard_steps -= unheard
+                    lead.emitted(steps_out - unheard, loop.time())
                     pcm = self._encode(resampler, audio, last=last)
                     if last:
                         finished = True
-                        yield AudioChunk(rid, pcm, rate, finished=True, steps=received - reported)
+                        yield AudioChunk(rid, pcm, rate, finished=True, steps=received - reported,
+                                         codes=b"".join(codes))
                         return
                     if pcm:
-                        yield AudioChunk(rid, pcm, rate, steps=decoded - reported)
+                        yield AudioChunk(rid, pcm, rate, steps=decoded - reported, codes=b"".join(codes))
+                        codes.clear()
                         reported = decoded
                 if not final and t_arrival0 is not None:
                     # Nothing is due until the next chunk's steps are in: read the code stream once
@@ -273,7 +296,7 @@ class ChatTTSSpeech:
                 else:
                     pcm = b""
                 finished = True
-                yield AudioChunk(rid, pcm, rate, finished=True, steps=received - reported)
+                yield AudioChunk(rid, pcm, rate, finished=True, steps=received - reported, codes=b"".join(codes))
         finally:
             stream.close()
             self._active.pop(rid, None)

@@ -12,6 +12,8 @@ messages are parsed and validated here (``parse_client_message``); server messag
 
 from __future__ import annotations
 
+import base64
+import binascii
 import enum
 import math
 import struct
@@ -19,6 +21,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Final, Literal, TypeAlias
 
 import orjson
+
+# the code frames' wire form and audio span, re-exported for the clients (segment.codes)
+from engine.api import CODE_FRAME_BYTES as CODE_FRAME_BYTES
+from engine.api import NATIVE_SAMPLE_RATE_HZ as NATIVE_SAMPLE_RATE_HZ
+from engine.api import SAMPLES_PER_STEP as SAMPLES_PER_STEP
+from engine.api import codes_from_bytes
 
 PROTOCOL_VERSION: Final = 1
 #: WebSocket subprotocol naming the protocol version; the server always selects it.
@@ -54,6 +62,7 @@ class ServerType(enum.StrEnum):
     SESSION_STARTED = "session.started"
     SEGMENT_STARTED = "segment.started"
     SEGMENT_DONE = "segment.done"
+    SEGMENT_CODES = "segment.codes"
     UTTERANCE_DONE = "utterance.done"
     CANCELLED = "cancelled"
     ERROR = "error"
@@ -277,6 +286,7 @@ class Kind(enum.Enum):
     NUMBER = "number"
     OBJECT = "object"
     STR_OR_INT = "string or integer"
+    BOOL = "boolean"
 
 
 @dataclass(frozen=True)
@@ -294,8 +304,8 @@ class FieldSpec:
 
     def check(self, value: Any) -> bool:
         k = self.kind
-        if isinstance(value, bool):
-            return False
+        if k is Kind.BOOL or isinstance(value, bool):
+            return k is Kind.BOOL and isinstance(value, bool)
         if k is Kind.STR or (k is Kind.STR_OR_INT and isinstance(value, str)):
             if not isinstance(value, str):
                 return False
@@ -332,6 +342,21 @@ OPTION_FIELDS: Final[tuple[FieldSpec, ...]] = (
     FieldSpec("seed", Kind.INT, min=0, max=2**31 - 1, doc="sampling seed (reproducible audio)"),
 )
 
+#: Longest ``resume.codes``: base64 of ``MAX_RESUME_FRAMES`` code frames.
+MAX_RESUME_FRAMES: Final = 2048
+MAX_RESUME_CODES_CHARS: Final = 4 * math.ceil(MAX_RESUME_FRAMES * CODE_FRAME_BYTES / 3)
+
+#: Fields of an opening ``text.delta``'s ``resume`` object: go on with a segment the client
+#: received part of (its text is the first ``chars`` characters of the delta's text).
+RESUME_FIELDS: Final[tuple[FieldSpec, ...]] = (
+    FieldSpec("chars", Kind.INT, required=True, min=1, max=2**31 - 1,
+              doc="length of the segment, code points (its end_char - start_char)"),
+    FieldSpec("samples", Kind.INT, required=True, min=0, max=2**31 - 1,
+              doc="samples of it the client has (at the session rate): they are not sent again"),
+    FieldSpec("codes", Kind.STR, max_len=MAX_RESUME_CODES_CHARS,
+              doc="base64 of the segment's segment.codes so far, in order (session.started resume: codes)"),
+)
+
 SCHEMAS: Final[dict[ClientType, tuple[FieldSpec, ...]]] = {
     ClientType.SESSION_START: (
         _ID,
@@ -343,10 +368,13 @@ SCHEMAS: Final[dict[ClientType, tuple[FieldSpec, ...]]] = {
         FieldSpec("options", Kind.OBJECT, doc="sampling options (see OPTION_FIELDS)"),
         FieldSpec("idle_timeout_s", Kind.NUMBER, min=1.0, max=86_400.0,
                   doc="idle close after this long (the smaller of it and limits.idle_timeout_s applies)"),
+        FieldSpec("resume", Kind.BOOL, doc="send what resuming inside a segment needs (segment.codes)"),
     ),
     ClientType.TEXT_DELTA: (
         _ID,
         FieldSpec("text", Kind.STR, required=True, doc="next piece of the utterance's text, any size"),
+        FieldSpec("resume", Kind.OBJECT, doc="opening delta only: go on with a partly received segment "
+                  "(see RESUME_FIELDS)"),
     ),
     ClientType.TEXT_FLUSH: (_ID,),
     ClientType.TEXT_END: (_ID,),
@@ -420,6 +448,13 @@ def parse_client_message(data: str | bytes | dict[str, Any]) -> ClientMessage:
     fields = _validate_fields(SCHEMAS[mtype], obj, "", msg_id)
     if mtype is ClientType.SESSION_START and "options" in fields:
         fields["options"] = _validate_fields(OPTION_FIELDS, fields["options"], "options.", msg_id)
+    if mtype is ClientType.TEXT_DELTA and "resume" in fields:
+        r = fields["resume"] = _validate_fields(RESUME_FIELDS, fields["resume"], "resume.", msg_id)
+        if "codes" in r:
+            try:
+                r["codes"] = codes_from_bytes(base64.b64decode(r["codes"], validate=True))
+            except (ValueError, binascii.Error):
+                raise ProtocolError(ErrorCode.INVALID_FIELD, "resume.codes", msg_id) from None
     return ClientMessage(mtype, fields)
 
 
@@ -474,7 +509,27 @@ class SessionStarted:
     playback_report_interval_ms: float
     voice: str | int | None = _optional()
     language: str | None = _optional()
+    resume: str | None = _optional()
+    """When ``session.start`` asked (``resume: true``): how a partly received segment can be
+    resumed here (``engine.api.ResumeMode``): ``codes`` (send its ``segment.codes`` back),
+    ``samples`` (the engine makes the same audio again), ``segment`` (from its start only)."""
     id: MessageId | None = _optional()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SegmentCodes:
+    """The code frames a segment's audio is made from, as the engine generates them (sessions
+    that asked ``resume``, engines whose resume mode is ``codes``): sent after ``segment.started``
+    and before the audio frames they cover. A client that kept them can resume the segment at
+    any sample it has (``text.delta``'s ``resume``)."""
+
+    TYPE: ClassVar[ServerType] = ServerType.SEGMENT_CODES
+    utterance_id: int
+    segment: int
+    frame: int
+    """Index of the first frame within the segment (a resumed segment's go on from its prefix)."""
+    codes: str
+    """Base64 of the frames: ``NUM_CODEBOOKS`` little-endian int16 codes each (``engine.api``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -585,14 +640,15 @@ class Pong:
 
 
 ServerMessage: TypeAlias = (
-    SessionStarted | SegmentStarted | SegmentDone | UtteranceDone | Cancelled | ErrorMessage | Pong
+    SessionStarted | SegmentStarted | SegmentCodes | SegmentDone | UtteranceDone | Cancelled | ErrorMessage | Pong
 )
 """A native server message (a JSON text frame once ``encode_server`` has made it bytes)."""
 
 #: The message class of every server type (tests/gateway/test_protocol.py keeps it complete).
 SERVER_MESSAGES: Final[dict[ServerType, type[ServerMessage]]] = {
     cls.TYPE: cls
-    for cls in (SessionStarted, SegmentStarted, SegmentDone, UtteranceDone, Cancelled, ErrorMessage, Pong)
+    for cls in (SessionStarted, SegmentStarted, SegmentCodes, SegmentDone, UtteranceDone, Cancelled, ErrorMessage,
+                Pong)
 }
 
 #: Per message class: its wire fields in order, and whether each is left off when None.
@@ -632,5 +688,10 @@ def wire_constants() -> dict[str, Any]:
             "version": AUDIO_FRAME_VERSION,
             "layout": "<BBHIII: version u8, format u8, segment u16, utterance_id u32, seq u32, "
             "sample_offset u32 (little-endian)",
+        },
+        "codes": {  # segment.codes: a frame's bytes; a frame's samples at the native rate
+            "frame_bytes": CODE_FRAME_BYTES,
+            "samples_per_frame": SAMPLES_PER_STEP,
+            "native_rate_hz": NATIVE_SAMPLE_RATE_HZ,
         },
     }

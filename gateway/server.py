@@ -131,7 +131,8 @@ class GatewayServer:
         self.engine = engine
         self.static_dir = (static_dir or default_static_dir()).resolve()
         self.metrics = metrics or GatewayMetrics()
-        self.settings = settings or SessionSettings.from_config(config, engine_name=engine.name)
+        self.settings = settings or SessionSettings.from_config(config, engine_name=engine.name,
+                                                                   resume_mode=engine.resume_mode)
         self.connections: set[_Connection] = set()
         self.draining = False
         self._ws: Server | None = None

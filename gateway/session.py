@@ -19,15 +19,24 @@ still being spoken, and plays after it. ``cancel`` stops everything.
 
 from __future__ import annotations
 
+import base64
 import enum
 import hashlib
 import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Literal
 
-from engine.api import NATIVE_SAMPLE_RATE_HZ, SAMPLES_PER_STEP, AudioChunk, SamplingParams, SpeechRequest
+from engine.api import (
+    CODE_FRAME_BYTES,
+    NATIVE_SAMPLE_RATE_HZ,
+    SAMPLES_PER_STEP,
+    AudioChunk,
+    ResumeMode,
+    SamplingParams,
+    SpeechRequest,
+)
 from gateway import protocol as P
 from gateway.audio import encode_samples
 from gateway.config import GatewaySettings, LimitsConfig, SessionConfig
@@ -57,11 +66,15 @@ class SessionSettings(SessionConfig):
 
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     engine_name: str = "unknown"
+    resume_mode: ResumeMode = ResumeMode.SEGMENT
+    """How the engine continues a segment a client received part of (``SpeechEngine.resume_mode``)."""
 
     @classmethod
-    def from_config(cls, config: GatewaySettings, engine_name: str, **overrides: Any) -> SessionSettings:
+    def from_config(cls, config: GatewaySettings, engine_name: str,
+                    resume_mode: ResumeMode = ResumeMode.SEGMENT, **overrides: Any) -> SessionSettings:
         session = {f.name: getattr(config.session, f.name) for f in fields(SessionConfig)}
-        return cls(**{**session, **overrides}, limits=config.limits, engine_name=engine_name)
+        return cls(**{**session, **overrides}, limits=config.limits, engine_name=engine_name,
+                   resume_mode=resume_mode)
 
 
 # ---- actions ------------------------------------------------------------------------------
@@ -169,12 +182,30 @@ class _Segment:
     """Sample offset of its first sample within its utterance."""
     end_char: int = 0
     """Offset just past the segment in the utterance's text (a client resumes from here)."""
+    resumed_at: int = 0
+    """A resumed segment: samples of it the client already had (not sent again)."""
+
+
+@dataclass(frozen=True)
+class _Resume:
+    """An utterance opened to go on with a segment the client received part of."""
+
+    text: str
+    """The segment's text (the opening delta's first ``chars`` characters)."""
+    samples: int
+    """Samples of it the client has."""
+    codes: Any = None
+    """Its code frames so far (int64 ``[k, 4]``), for a ``ResumeMode.CODES`` engine."""
 
 
 @dataclass(eq=False)
 class _Utterance:
     id: int
     segmenter: Segmenter
+    resume: _Resume | None = None
+    """Its first segment, given whole by the client (submitted before the segmenter's)."""
+    char_base: int = 0
+    """Where the segmenter's text starts in the utterance's text (after ``resume.text``)."""
     chars: int = 0
     ended: bool = False
     failed: P.ErrorCode | None = None
@@ -191,7 +222,7 @@ class _Utterance:
 
     @property
     def input_done(self) -> bool:
-        return self.ended and (self.failed is not None or self.segmenter.done)
+        return self.ended and (self.failed is not None or (self.segmenter.done and self.resume is None))
 
 
 @dataclass(eq=False)
@@ -201,6 +232,12 @@ class _Stream:
     held: bytearray = field(default_factory=bytearray)
     held_samples: int = 0
     generating: bool = True
+    skip: int = 0
+    """Samples still to drop from the engine's audio (the client has them: a resumed segment)."""
+    codes: bytearray = field(default_factory=bytearray)
+    """Code frames not yet sent in ``segment.codes`` (sessions that asked ``resume``)."""
+    codes_frame: int = 0
+    """Index within the segment of the first frame in ``codes``."""
 
     @property
     def request_id(self) -> str:
@@ -249,6 +286,7 @@ class Session:
         self._voice: str | int | None = None
         self._params = SamplingParams()
         self._language: str | None = None
+        self._resume_asked = False
         self._flow = FlowControl(FlowConfig(self.rate_hz, settings.limits.flow_window_ms), now_s)
         self._frame_samples = 1
         self._prefetch_samples = 1
@@ -331,9 +369,16 @@ class Session:
             self._fail_utterance(s.utt, P.ErrorCode.ENGINE_ERROR, out)
             self._step(now_s, out)
             return out
-        n = len(chunk.pcm) // 2
+        pcm = chunk.pcm
+        if s.skip and pcm:
+            drop = min(s.skip, len(pcm) // 2)
+            s.skip -= drop
+            pcm = pcm[2 * drop:]
+        if chunk.codes and self._resume_asked:
+            s.codes += chunk.codes
+        n = len(pcm) // 2
         if n:
-            s.held += chunk.pcm
+            s.held += pcm
             s.held_samples += n
             s.seg.generated += n
             s.utt.generated += n
@@ -508,6 +553,7 @@ class Session:
         self._language = f.get("language")
         self._idle_timeout_s = min(self.settings.limits.idle_timeout_s,
                                    float(f.get("idle_timeout_s", self.settings.limits.idle_timeout_s)))
+        self._resume_asked = bool(f.get("resume", False))
         opts = f.get("options", {})
         self._params = replace(
             SamplingParams(),
@@ -540,6 +586,7 @@ class Session:
             playback_report_interval_ms=st.playback_report_interval_ms,
             voice=self._voice,
             language=self._language,
+            resume=st.resume_mode.value if self._resume_asked else None,
             id=msg.id,
         )))
         self.log.info("session started: %d Hz %s voice=%s", self.rate_hz, self.format.value, _voice_for_log(self._voice))
@@ -564,6 +611,9 @@ class Session:
             if len(self._utterances) >= lim.max_queued_utterances:
                 self._error(out, P.ErrorCode.QUEUE_FULL, msg_id=msg.id)
                 return
+        resume = self._resume_of(msg, utt is None, text, out)
+        if resume is False:
+            return
         if (utt.chars if utt else 0) + len(text) > lim.max_utterance_chars:
             self._error(out, P.ErrorCode.TEXT_TOO_LONG, msg_id=msg.id,
                         utterance_id=utt.id if utt else None)
@@ -582,10 +632,33 @@ class Session:
             utt = _Utterance(id=self._next_utt_id, segmenter=Segmenter(self.settings.segmenter))
             self._next_utt_id += 1
             self._utterances.append(utt)
+            if resume is not None:
+                utt.resume, utt.char_base = resume, len(resume.text)
         utt.chars += len(text)
-        utt.segmenter.feed(text, now_s)
+        utt.segmenter.feed(text[len(resume.text):] if resume is not None else text, now_s)
         if utt.t_first_text is None:
             utt.t_first_text = now_s
+
+    def _resume_of(self, msg: P.ClientMessage, opening: bool, text: str,
+                   out: list[Action]) -> _Resume | None | Literal[False]:
+        """The delta's ``resume``, checked against this engine and the delta: None without one,
+        False (an error sent) when it cannot be honoured."""
+        r = msg.fields.get("resume")
+        if r is None:
+            return None
+        mode = self.settings.resume_mode
+        bad = None
+        if not opening or mode is ResumeMode.SEGMENT:
+            bad = "resume"  # only an utterance's first delta; an engine that only restarts segments
+        elif r["chars"] > len(text) or not is_speakable(text[:r["chars"]]):
+            bad = "resume.chars"
+        elif mode is ResumeMode.CODES and r["samples"] and r.get("codes") is None:
+            bad = "resume.codes"  # sampled again, the rest of the segment would not follow on
+        if bad is not None:
+            self._error(out, P.ErrorCode.INVALID_FIELD, field=bad, msg_id=msg.id)
+            return False
+        codes = r.get("codes") if mode is ResumeMode.CODES else None
+        return _Resume(text[:r["chars"]], r["samples"], codes if codes is not None and len(codes) else None)
 
     def _on_text_flush(self, now_s: float, msg: P.ClientMessage, out: list[Action]) -> None:
         utt = self._open_utterance()
@@ -718,7 +791,7 @@ class Session:
                 if not u.ended:
                     return u  # absorbing its text: later utterances cannot exist yet
                 continue
-            if not u.segmenter.done:
+            if not u.segmenter.done or u.resume is not None:
                 return u
         return None
 
@@ -737,22 +810,28 @@ class Session:
             utt = self._segmenting_utterance()
             if utt is None or utt.failed is not None:
                 return
+            if utt.resume is not None:
+                r, utt.resume = utt.resume, None
+                self._submit(now_s, utt, r.text, out, (0, len(r.text)), r)
+                continue
             seg = utt.segmenter.next_segment(now_s, idle=not self._streams)
             if seg is None:
                 return
             if not is_speakable(seg.text):
                 continue
-            self._submit(now_s, utt, seg.text, out, (seg.start_char, seg.end_char))
+            base = utt.char_base
+            self._submit(now_s, utt, seg.text, out, (base + seg.start_char, base + seg.end_char))
 
     def _submit(self, now_s: float, utt: _Utterance, text: str, out: list[Action],
-                chars: tuple[int, int] = (0, 0)) -> None:
+                chars: tuple[int, int] = (0, 0), resume: _Resume | None = None) -> None:
         index = len(utt.segments)
         first = index == 0
         request_id = f"{self.id}-{utt.id}-{index}"
         seg = _Segment(index=index, text=text, units=text_units(text), request_id=request_id,
-                       start_char=chars[0], end_char=chars[1])
+                       start_char=chars[0], end_char=chars[1], resumed_at=resume.samples if resume else 0)
         utt.segments.append(seg)
-        stream = _Stream(utt=utt, seg=seg)
+        prefix = resume.codes if resume is not None else None
+        stream = _Stream(utt=utt, seg=seg, skip=seg.resumed_at, codes_frame=0 if prefix is None else len(prefix))
         self._streams.append(stream)
         self._by_id[request_id] = stream
         if first:
@@ -774,6 +853,7 @@ class Session:
             speaker=self._voice,
             params=params,
             sample_rate_hz=self.rate_hz,
+            prefix_codes=prefix,
         ), first=first))
 
     def _mark_ready(self, now_s: float) -> None:
@@ -806,6 +886,8 @@ class Session:
         s.held_samples -= n
         if not seg.announced:
             self._announce(s, out)
+        if s.codes:
+            self._send_codes(s, out)
         if u.session_start is None:
             u.session_start = self._flow.sent
         header = P.AudioFrameHeader(utterance_id=u.id, seq=u.seq, sample_offset=u.sent,
@@ -838,11 +920,21 @@ class Session:
             end_char=s.seg.end_char,
         )))
 
+    def _send_codes(self, s: _Stream, out: list[Action]) -> None:
+        """The stream's codes not sent yet, before the audio frame they cover."""
+        out.append(SendMessage(P.SegmentCodes(
+            utterance_id=s.utt.id, segment=s.seg.index, frame=s.codes_frame,
+            codes=base64.b64encode(s.codes).decode("ascii"))))
+        s.codes_frame += len(s.codes) // CODE_FRAME_BYTES
+        s.codes.clear()
+
     def _retire(self, now_s: float, s: _Stream, out: list[Action]) -> None:
         if not s.seg.announced:
             self._announce(s, out)
-        offset_ms = s.seg.utt_offset * 1000.0 / self.rate_hz
-        words = word_timings(s.seg.text, s.seg.sent * 1000.0 / self.rate_hz)
+        # a resumed segment's words are timed over the whole segment, the part the client had first
+        offset_ms = (s.seg.utt_offset - s.seg.resumed_at) * 1000.0 / self.rate_hz
+        words = word_timings(s.seg.text, (s.seg.resumed_at + s.seg.sent) * 1000.0 / self.rate_hz)
+        words = [(w, max(a, -offset_ms), b) for w, a, b in words if offset_ms + b > 0]
         out.append(SendMessage(P.SegmentDone(
             utterance_id=s.utt.id,
             segment=s.seg.index,

@@ -30,6 +30,7 @@ from engine.api import (
     EngineError,
     EngineErrorKind,
     EngineHealth,
+    ResumeMode,
     SpeechRequest,
 )
 
@@ -46,6 +47,7 @@ class NativePipelineSpeech:
 
     name = "chattts-native"
     native_sample_rate_hz = NATIVE_SAMPLE_RATE_HZ
+    resume_mode = ResumeMode.SEGMENT
 
     def __init__(self, model_dir: str | Path, default_speaker: str | int | None = "2222", device: str = "cpu",
                  chat: Any = None) -> None:

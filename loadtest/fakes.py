@@ -51,6 +51,7 @@ from engine.api import (
     EngineErrorKind,
     EngineHealth,
     EngineOverloaded,
+    ResumeMode,
     SpeechEngine,
     SpeechRequest,
 )
@@ -71,6 +72,7 @@ class _Req:
 class SimBatchEngine:
     name: str = "sim-batch"
     native_sample_rate_hz: int = NATIVE_SAMPLE_RATE_HZ
+    resume_mode: ResumeMode = ResumeMode.SAMPLES
     max_num_seqs: int = 8
     step_ms_base: float = 8.0
     step_ms_per_seq: float = 0.5
@@ -167,6 +169,8 @@ class SimBatchEngine:
 class FakeSpeechEngine:
     name: str = "fake-sine"
     native_sample_rate_hz: int = 24_000
+    resume_mode: ResumeMode = ResumeMode.SAMPLES
+    """The same request gives the same samples."""
     ms_per_char: float = 20.0
     first_chunk_delay_s: float = 0.02
     chunk_ms: float = 100.0
@@ -258,6 +262,10 @@ class CountingEngine:
     @property
     def native_sample_rate_hz(self) -> int:
         return self.inner.native_sample_rate_hz
+
+    @property
+    def resume_mode(self) -> ResumeMode:
+        return self.inner.resume_mode
 
     async def start(self) -> None:
         pass

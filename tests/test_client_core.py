@@ -53,9 +53,10 @@ def run_scenario(scn: dict[str, Any]) -> list[dict[str, Any]]:
                 out.append(rec.connected(now).to_json())
     elif kind == "resume":
         segs = {s["index"]: core.SegmentView(s["start_char"], s["end_char"], s["sample_offset"], s["samples"],
-                                             s["done"], s["pos"]) for s in scn["segments"]}
+                                             s["done"], s["pos"], s.get("code_frames", 0)) for s in scn["segments"]}
         out.append(core.plan_resume(segs, seg_base=scn["seg_base"], base_char=scn["base_char"],
-                                    sample_base=scn["sample_base"]).to_json())
+                                    sample_base=scn["sample_base"], mode=scn.get("mode", "segment"),
+                                    rate_hz=scn.get("rate_hz", 24000)).to_json())
     elif kind == "playout":
         c = scn["playout"]
         p = Playout(c["rate_hz"], prebuffer_ms=c["prebuffer_ms"], step_ms=c["step_ms"], max_target_ms=c["max_target_ms"])

@@ -33,9 +33,11 @@ Riding out a bad minute (``retry=RetryPolicy(...)``, on by default):
 * **Reconnect and resume.** When the connection drops (no close frame, 1011, 1012, 1013) the client
   reconnects with exponential backoff and jitter for up to ``reconnect_timeout_s``, starts a new
   session with the same settings and sends each unfinished utterance again from its first segment
-  not wholly received: the segments received whole play on from the local buffer meanwhile, the
-  rest of the interrupted one is dropped (if the listener was inside it, it restarts from its
-  first word). Text the application streams during the outage is kept (``max_buffered_chars``) and
+  not wholly received, going on at that segment's next sample where the server can
+  (``session.started``'s ``resume``: ``codes``, kept from ``segment.codes``, or ``samples``): all
+  audio received plays on from the local buffer meanwhile and nothing is heard twice. Otherwise
+  the rest of the interrupted segment is dropped and it restarts from its first word. Text the
+  application streams during the outage is kept (``max_buffered_chars``) and
   sent after. Chunks of a resumed utterance keep its segment numbers and sample offsets.
   ``events`` (and ``on_event``) report ``disconnected``, ``reconnecting``, ``reconnected``,
   ``resumed``, ``retry`` and ``gave_up``; ``stats.plays`` says which audio of which segment played.
@@ -468,6 +470,7 @@ class Client:
             "type": P.ClientType.SESSION_START.value,
             "sample_rate": self.sample_rate_hz,
             "format": self.format.value,
+            "resume": True,
         }
         if self.voice is not None:
             start["voice"] = self.voice
@@ -838,11 +841,11 @@ class Client:
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
     def _carry_out_resumes(self, resumes: core.Resumes[Utterance]) -> None:
-        """The core parked every unfinished utterance at its first segment not wholly received:
-        drop the audio after that point from the queues and the playout (what is left plays on
-        meanwhile)."""
+        """The core parked every unfinished utterance at its first segment not wholly received, or
+        inside it (at its next sample): drop the audio after that point from the queues and the
+        playout (what is left plays on meanwhile)."""
         for u, plan in resumes.plans:
-            u._drop_queued(from_segment=plan.segment)
+            u._drop_queued(from_segment=plan.segment + (1 if plan.inside else 0))
         keep = resumes.keep
         if keep is not None and self.playback_mode in ("realtime", "speakers"):
             with self._lock:

@@ -39,6 +39,8 @@ Events and actions:
 
 from __future__ import annotations
 
+import base64
+import binascii
 import random
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -350,6 +352,8 @@ class SegmentLike(Protocol):
     def done(self) -> bool: ...
     @property
     def pos(self) -> int | None: ...
+    @property
+    def code_frames(self) -> int: ...
 
 
 @dataclass
@@ -365,29 +369,48 @@ class SegmentView:
     """``segment.done`` arrived: received whole."""
     pos: int | None = None
     """Playout position of its first sample (realtime/speakers), if any audio was buffered."""
+    code_frames: int = 0
+    """Its code frames received (``segment.codes``)."""
 
 
 @dataclass(frozen=True)
 class ResumePoint(_Action):
     """Send the utterance again from segment ``segment`` (its char ``char``, sample ``sample``);
-    drop buffered audio past playout position ``keep`` (None: keep all)."""
+    drop buffered audio past playout position ``keep`` (None: keep all). ``inside`` > 0: that
+    many samples of the segment were received and are kept; the new sending goes on after them
+    (``text.delta``'s ``resume``)."""
 
     segment: int
     char: int
     sample: int
     keep: int | None
+    inside: int = 0
 
 
 _ACTION_NAMES[ResumePoint] = "resume"
 
 
-def plan_resume(segs: Mapping[int, SegmentLike], *, seg_base: int, base_char: int, sample_base: int) -> ResumePoint:
-    """The first segment not wholly received, from the current sending's first (``seg_base``);
-    with none seen, the sending's start; past the last whole one, its end."""
+def can_resume_inside(seg: SegmentLike, mode: str, rate_hz: int) -> bool:
+    """Whether the server (``session.started``'s ``resume``: ``mode``) can go on with ``seg`` at
+    the next sample: ``samples`` always, ``codes`` when its codes cover every sample received."""
+    if seg.samples <= 0:
+        return False
+    if mode == "samples":
+        return True
+    return mode == "codes" and seg.code_frames * P.SAMPLES_PER_STEP * rate_hz >= seg.samples * P.NATIVE_SAMPLE_RATE_HZ
+
+
+def plan_resume(segs: Mapping[int, SegmentLike], *, seg_base: int, base_char: int, sample_base: int,
+                mode: str = "segment", rate_hz: int = P.DEFAULT_SAMPLE_RATE_HZ) -> ResumePoint:
+    """The first segment not wholly received, from the current sending's first (``seg_base``):
+    at its next sample when the server can go on inside it (``can_resume_inside``), else at its
+    start (its audio dropped); with none seen, the sending's start; past the last whole one, its end."""
     k = seg_base
     while k in segs and segs[k].done:
         k += 1
     seg = segs.get(k)
+    if seg is not None and can_resume_inside(seg, mode, rate_hz):
+        return ResumePoint(k, seg.start_char, seg.sample_offset + seg.samples, None, seg.samples)
     if seg is not None:
         return ResumePoint(k, seg.start_char, seg.sample_offset, seg.pos)
     prev = segs.get(k - 1)
@@ -479,11 +502,17 @@ class Segment:
     done: bool = False
     pos: int | None = None
     """Playout position of its first sample (realtime/speakers)."""
+    codes: bytearray = field(default_factory=bytearray)
+    """Its ``segment.codes``, decoded and in order (``P.CODE_FRAME_BYTES`` a frame)."""
 
     @property
     def samples(self) -> int:
         """Samples received of it in the current take (``core.SegmentLike``)."""
         return self.play.samples
+
+    @property
+    def code_frames(self) -> int:
+        return len(self.codes) // P.CODE_FRAME_BYTES
 
 
 
@@ -520,6 +549,8 @@ class UtteranceState:
         self.cancelling = False
         self.finished = False
         """All its audio arrived, or it ended otherwise (the shell's ``done``)."""
+        self.resume_with: dict[str, Any] | None = None
+        """The next sending's ``resume`` (it goes on inside a segment), until its opening delta."""
 
     @property
     def chars(self) -> int:
@@ -529,10 +560,14 @@ class UtteranceState:
         """What the current sending lacks, next: a ``text.delta`` (the sending's first carries
         the utterance's ``id``), then ``text.end`` once asked; None when it has it all."""
         if self.sent < self.chars:
-            piece = self.text[self.sent:self.sent + max_piece_chars]
+            opening = self.sent == self.base_char
+            n = max(max_piece_chars, self.resume_with["chars"]) if opening and self.resume_with else max_piece_chars
+            piece = self.text[self.sent:self.sent + n]
             msg: dict[str, Any] = {"type": P.ClientType.TEXT_DELTA.value, "text": piece}
-            if self.sent == self.base_char:
+            if opening:
                 msg["id"] = self.local_id
+                if self.resume_with is not None:
+                    msg["resume"], self.resume_with = self.resume_with, None
             self.sent += len(piece)
             self.sent_any = True
             return msg
@@ -563,6 +598,18 @@ class UtteranceState:
         else:
             seg.start_char, seg.end_char, seg.play.text = start, end, text
 
+    def on_segment_codes(self, msg: Mapping[str, Any]) -> None:
+        """``segment.codes`` of the current sending: kept with the segment while they follow on."""
+        seg = self.segs.get(self.seg_base + int(msg.get("segment", 0)))
+        if seg is None:
+            return
+        try:
+            data = base64.b64decode(str(msg.get("codes", "")), validate=True)
+        except (ValueError, binascii.Error):
+            return
+        if int(msg.get("frame", -1)) == seg.code_frames and len(data) % P.CODE_FRAME_BYTES == 0:
+            seg.codes += data
+
     def on_segment_done(self, msg: Mapping[str, Any]) -> None:
         seg = self.segs.get(self.seg_base + int(msg.get("segment", 0)))
         if seg is not None:
@@ -589,14 +636,23 @@ class UtteranceState:
         self.end_sent = False
         self.take += 1
         self.parked = False
+        self.resume_with = None
 
-    def resume(self) -> ResumePoint:
+    def resume(self, mode: str = "segment", rate_hz: int = P.DEFAULT_SAMPLE_RATE_HZ) -> ResumePoint:
         """The connection dropped: park it at its first segment not wholly received
-        (``plan_resume``), forget the segments from there on; the next sending starts there."""
+        (``plan_resume``; ``mode``: the server's ``resume``), forget the segments from there on
+        (inside one: the ones after it); the next sending starts there."""
         self.parked = True
         self.retrying = False
-        plan = plan_resume(self.segs, seg_base=self.seg_base, base_char=self.base_char, sample_base=self.sample_base)
-        for j in [j for j in self.segs if j >= plan.segment]:
+        plan = plan_resume(self.segs, seg_base=self.seg_base, base_char=self.base_char, sample_base=self.sample_base,
+                           mode=mode, rate_hz=rate_hz)
+        self.resume_with = None
+        if plan.inside:
+            seg = self.segs[plan.segment]
+            self.resume_with = {"chars": seg.end_char - seg.start_char, "samples": plan.inside}
+            if mode == "codes":
+                self.resume_with["codes"] = base64.b64encode(bytes(seg.codes)).decode("ascii")
+        for j in [j for j in self.segs if j >= plan.segment + (1 if plan.inside else 0)]:
             del self.segs[j]
         self.id = None
         self.base_char = self.sent = plan.char
@@ -781,6 +837,9 @@ class ClientCore(Generic[U]):
         self.policy = policy
         self.rnd = rnd
         self.registry: Registry[U] = Registry()
+        self.resume_mode = "segment"
+        """How the server goes on with a partly received segment (``session.started``'s ``resume``)."""
+        self.rate_hz = P.DEFAULT_SAMPLE_RATE_HZ
 
     def receive(self, msg: Mapping[str, Any], now_s: float, *, dropping_audio: bool = False,
                 closing: bool = False) -> list[Event[U]]:
@@ -789,7 +848,14 @@ class ClientCore(Generic[U]):
         t = msg.get("type")
         reg = self.registry
         if t == P.ServerType.SESSION_STARTED:
+            self.resume_mode = str(msg.get("resume") or "segment")
+            self.rate_hz = int(msg.get("sample_rate") or P.DEFAULT_SAMPLE_RATE_HZ)
             return [SessionReady(msg)]
+        if t == P.ServerType.SEGMENT_CODES:
+            u = reg.record(int(msg["utterance_id"]))
+            if u is not None and not dropping_audio:
+                u.on_segment_codes(msg)
+            return []
         if t == P.ServerType.SEGMENT_STARTED:
             u = reg.record(int(msg["utterance_id"]))
             if u is not None and not dropping_audio:
@@ -841,7 +907,7 @@ class ClientCore(Generic[U]):
                 continue
             if u.id is not None:
                 self.registry.by_id.pop(u.id, None)
-            plan = u.resume()
+            plan = u.resume(self.resume_mode, self.rate_hz)
             plans.append((u, plan))
             if keep is None:
                 keep = plan.keep

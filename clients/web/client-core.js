@@ -12,7 +12,11 @@
 //   {action: "reconnect", attempt, wait_ms, at_ms}    open a new connection at at_ms
 //   {action: "give_up", attempts, reason}             stop reconnecting (reason: deadline | final)
 //   {action: "reconnected", attempts, outage_ms}
-//   {action: "resume", segment, char, sample, keep}   send again from there; drop audio past keep
+//   {action: "resume", segment, char, sample, keep, inside}   send again from there; drop audio past
+//                                                     keep; inside > 0: that many samples of the
+//                                                     segment are kept, the sending goes on after them
+
+import { PROTOCOL } from "./protocol.js";
 
 /** Close codes after which a session is worth resuming (docs/protocol.md, close codes). */
 export const RESUMABLE_CLOSES = new Set([1006, 1011, 1012, 1013]);
@@ -136,20 +140,37 @@ export class Reconnector {
 }
 
 /**
- * Where an unfinished utterance is sent again from: its first segment not wholly received (from
- * the current sending's first, segBase); with none seen, the sending's start; past the last whole
- * one, its end. `segs`: Map index -> {startChar, endChar, sampleOffset, samples (or play.samples),
- * done, pos}.
+ * Whether the server (session.started's `resume`: mode) can go on with `seg` at its next sample:
+ * "samples" always, "codes" when its codes (codeFrames) cover every sample received.
  */
-export function planResume(segs, { segBase, baseChar, sampleBase }) {
+export function canResumeInside(seg, mode, rateHz) {
+  const n = seg.samples ?? seg.play.samples;
+  if (n <= 0) return false;
+  if (mode === "samples") return true;
+  const c = PROTOCOL.codes;
+  return mode === "codes" && (seg.codeFrames || 0) * c.samples_per_frame * rateHz >= n * c.native_rate_hz;
+}
+
+/**
+ * Where an unfinished utterance is sent again from: its first segment not wholly received (from
+ * the current sending's first, segBase), at its next sample when the server can go on inside it
+ * (canResumeInside), else at its start (its audio dropped); with none seen, the sending's start;
+ * past the last whole one, its end. `segs`: Map index -> {startChar, endChar, sampleOffset,
+ * samples (or play.samples), done, pos, codeFrames}.
+ */
+export function planResume(segs, { segBase, baseChar, sampleBase, mode = "segment", rateHz = 24000 }) {
   let k = segBase;
   while (segs.has(k) && segs.get(k).done) k++;
   const seg = segs.get(k);
-  if (seg) return { action: "resume", segment: k, char: seg.startChar, sample: seg.sampleOffset, keep: seg.pos ?? null };
+  if (seg && canResumeInside(seg, mode, rateHz)) {
+    const n = seg.samples ?? seg.play.samples;
+    return { action: "resume", segment: k, char: seg.startChar, sample: seg.sampleOffset + n, keep: null, inside: n };
+  }
+  if (seg) return { action: "resume", segment: k, char: seg.startChar, sample: seg.sampleOffset, keep: seg.pos ?? null, inside: 0 };
   const prev = segs.get(k - 1);
   if (prev) {
     const n = prev.samples ?? prev.play.samples;
-    return { action: "resume", segment: k, char: prev.endChar, sample: prev.sampleOffset + n, keep: null };
+    return { action: "resume", segment: k, char: prev.endChar, sample: prev.sampleOffset + n, keep: null, inside: 0 };
   }
-  return { action: "resume", segment: k, char: baseChar, sample: sampleBase, keep: null };
+  return { action: "resume", segment: k, char: baseChar, sample: sampleBase, keep: null, inside: 0 };
 }

@@ -23,6 +23,7 @@ export const PROTOCOL = Object.freeze(
     "SESSION_STARTED": "session.started",
     "SEGMENT_STARTED": "segment.started",
     "SEGMENT_DONE": "segment.done",
+    "SEGMENT_CODES": "segment.codes",
     "UTTERANCE_DONE": "utterance.done",
     "CANCELLED": "cancelled",
     "ERROR": "error",
@@ -69,6 +70,11 @@ export const PROTOCOL = Object.freeze(
     "bytes": 16,
     "version": 1,
     "layout": "<BBHIII: version u8, format u8, segment u16, utterance_id u32, seq u32, sample_offset u32 (little-endian)"
+  },
+  "codes": {
+    "frame_bytes": 8,
+    "samples_per_frame": 512,
+    "native_rate_hz": 24000
   }
 }
 /* END GENERATED */

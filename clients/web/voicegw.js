@@ -18,8 +18,10 @@
 // any other error about an utterance is a final refusal (not retried).
 // Dropped connection (1006, 1011, 1012, 1013): reconnect with exponential backoff and jitter for
 // up to retry.reconnectTimeoutMs, a new session with the same settings, and every unfinished
-// utterance is sent again from its first segment not wholly received (the segments received play
-// on from the buffer meanwhile; the rest of the interrupted one is dropped). Text given meanwhile
+// utterance is sent again from its first segment not wholly received, going on at its next sample
+// where the server can (session.started's resume: codes kept from segment.codes, or samples; what
+// was received plays on from the buffer meanwhile), else from its start (the rest of the
+// interrupted segment is dropped). Text given meanwhile
 // is kept (retry.maxBufferedChars) and sent after. A browser cannot see why a handshake failed
 // (401 and 503 look alike): such attempts are retried until the deadline; a socket that opens and
 // is closed with a do-not-retry code (1002, 1007, 1008, 1009) ends the reconnecting.
@@ -186,7 +188,7 @@ export class VoiceGateway extends EventTarget {
       }
       this._onClose(e);
     };
-    const start = { type: T.SESSION_START, sample_rate: this.opts.sampleRate, format: this.opts.format };
+    const start = { type: T.SESSION_START, sample_rate: this.opts.sampleRate, format: this.opts.format, resume: true };
     if (this.opts.voice != null && this.opts.voice !== "") start.voice = this.opts.voice;
     if (this.opts.language) start.language = this.opts.language;
     if (this.opts.options) start.options = this.opts.options;
@@ -378,6 +380,8 @@ export class VoiceGateway extends EventTarget {
       endSent: false,
       parked: !this._linkUp, // text kept, not sent (outage, overload wait)
       retrying: false,
+      inside: 0, // samples kept of the segment the current sending goes on inside (a resume)
+      resumeWith: null, // the next sending's `resume`, until its opening delta
       attempts: 1,
       resumes: 0,
       take: 0,
@@ -418,9 +422,17 @@ export class VoiceGateway extends EventTarget {
   _pump(u) {
     if (u.parked || !this._linkUp || u.settled) return;
     while (u.sent < u.text.length) {
-      const piece = u.text.slice(u.sent, u.sent + MAX_PIECE_CHARS);
+      const opening = u.sent === u.baseChar;
+      const n = opening && u.resumeWith ? Math.max(MAX_PIECE_CHARS, u.resumeWith.chars) : MAX_PIECE_CHARS;
+      const piece = u.text.slice(u.sent, u.sent + n);
       const msg = { type: T.TEXT_DELTA, text: piece };
-      if (u.sent === u.baseChar) msg.id = u.localId;
+      if (opening) {
+        msg.id = u.localId;
+        if (u.resumeWith) {
+          msg.resume = u.resumeWith; // go on inside the segment the connection was lost in
+          u.resumeWith = null;
+        }
+      }
       u.sent += piece.length;
       u.sentAny = true;
       this._send(msg);
@@ -472,12 +484,31 @@ export class VoiceGateway extends EventTarget {
         if (u) {
           const index = u.segBase + msg.segment;
           const seg = this._seg(u, index);
-          seg.startChar = u.baseChar + (msg.start_char || 0);
-          seg.endChar = u.baseChar + (msg.end_char || 0);
-          seg.sampleOffset = u.sampleBase + (msg.sample_offset || 0);
+          if (!(u.inside > 0 && index === u.segBase)) {
+            // (a segment resumed inside keeps its own start: the sending began past it)
+            seg.startChar = u.baseChar + (msg.start_char || 0);
+            seg.endChar = u.baseChar + (msg.end_char || 0);
+            seg.sampleOffset = u.sampleBase + (msg.sample_offset || 0);
+          }
           seg.play.text = msg.text;
           this._emit("segment", { ...msg, segment: index, sample_offset: seg.sampleOffset, localId: u.localId });
         } else this._emit("segment", msg);
+        break;
+      }
+      case S.SEGMENT_CODES: {
+        const u = this._cancelReplies.length ? null : this._record(msg.utterance_id);
+        const seg = u ? u.segs.get(u.segBase + msg.segment) : null;
+        if (seg && msg.frame === seg.codeFrames) {
+          try {
+            const bin = atob(msg.codes);
+            if (bin.length % PROTOCOL.codes.frame_bytes === 0) {
+              seg.codeBin += bin;
+              seg.codeFrames += bin.length / PROTOCOL.codes.frame_bytes;
+            }
+          } catch {
+            /* not base64: not kept */
+          }
+        }
         break;
       }
       case S.SEGMENT_DONE: {
@@ -580,7 +611,8 @@ export class VoiceGateway extends EventTarget {
     if (!seg) {
       const play = { segment: index, take: u.take, text: "", startPos: null, samples: 0, complete: false };
       u.plays.push(play);
-      seg = { startChar: u.baseChar, endChar: u.baseChar, sampleOffset: u.sampleBase, pos: null, done: false, play };
+      seg = { startChar: u.baseChar, endChar: u.baseChar, sampleOffset: u.sampleBase, pos: null, done: false, play,
+        codeBin: "", codeFrames: 0 }; // codeBin: its segment.codes, decoded (binary string)
       u.segs.set(index, seg);
     }
     return seg;
@@ -762,6 +794,8 @@ export class VoiceGateway extends EventTarget {
       if (u.id != null) this._byId.delete(u.id);
       u.id = null;
       u.baseChar = u.sent = 0;
+      u.inside = 0;
+      u.resumeWith = null;
       u.endSent = false;
       u.take += 1;
       u.parked = false;
@@ -777,12 +811,21 @@ export class VoiceGateway extends EventTarget {
       if (u.settled || (u.done && !u.retrying)) continue;
       u.parked = true;
       u.retrying = false;
-      const plan = planResume(u.segs, { segBase: u.segBase, baseChar: u.baseChar, sampleBase: u.sampleBase });
+      const mode = (this.session && this.session.resume) || "segment";
+      const plan = planResume(u.segs, { segBase: u.segBase, baseChar: u.baseChar, sampleBase: u.sampleBase,
+        mode, rateHz: this.opts.sampleRate });
       const k = plan.segment;
       const char = plan.char;
       const sample = plan.sample;
       if (keep == null) keep = plan.keep;
-      for (const j of [...u.segs.keys()]) if (j >= k) u.segs.delete(j);
+      u.inside = plan.inside;
+      u.resumeWith = null;
+      if (plan.inside > 0) {
+        const seg = u.segs.get(k);
+        u.resumeWith = { chars: seg.endChar - seg.startChar, samples: plan.inside };
+        if (mode === "codes") u.resumeWith.codes = btoa(seg.codeBin);
+      }
+      for (const j of [...u.segs.keys()]) if (j >= k + (plan.inside > 0 ? 1 : 0)) u.segs.delete(j);
       if (u.id != null) this._byId.delete(u.id);
       u.id = null;
       u.baseChar = u.sent = char;

@@ -50,8 +50,10 @@ async (table) => {
       }
     } else if (scn.kind === "resume") {
       const segs = new Map(scn.segments.map((s) => [s.index, { startChar: s.start_char, endChar: s.end_char,
-        sampleOffset: s.sample_offset, play: { samples: s.samples }, done: s.done, pos: s.pos }]));
-      out.push(core.planResume(segs, { segBase: scn.seg_base, baseChar: scn.base_char, sampleBase: scn.sample_base }));
+        sampleOffset: s.sample_offset, play: { samples: s.samples }, done: s.done, pos: s.pos,
+        codeFrames: s.code_frames || 0 }]));
+      out.push(core.planResume(segs, { segBase: scn.seg_base, baseChar: scn.base_char, sampleBase: scn.sample_base,
+        mode: scn.mode || "segment", rateHz: scn.rate_hz || 24000 }));
     } else if (scn.kind === "playout") {
       const c = scn.playout;
       const p = new rules.Playout(c.rate_hz, { prebufferMs: c.prebuffer_ms, stepMs: c.step_ms, maxTargetMs: c.max_target_ms });

@@ -46,7 +46,7 @@ class ThreadedGateway:
 
         async def start() -> None:
             await self.engine.start()
-            st = SessionSettings.from_config(self.config, self.engine.name)
+            st = SessionSettings.from_config(self.config, self.engine.name, self.engine.resume_mode)
             self.server = GatewayServer(self.config, self.engine, settings=st)
             await self.server.start()
 
