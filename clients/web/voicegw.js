@@ -724,7 +724,7 @@ export class VoiceGateway extends EventTarget {
       ttfaMs: u.ttfaMs,
       playStartMs: u.playStartMs,
       samples: u.received,
-      serverSamples: u.done ? u.done.samples : null,
+      serverSamples: u.done ? u.sampleBase + u.done.samples : null, // the utterance's, across resumes
       durationMs: (u.received * 1000) / rate,
       underruns: this.stats.underruns - u.underrunsAtStart,
       cancelled: !!extra.cancelled,

@@ -8,6 +8,7 @@ serves) reconnect, resume at the first segment not wholly received and report th
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import sys
 import time
@@ -183,20 +184,31 @@ async ({text}) => {
   await gw.connect();
   window.gw = gw;
   window.events = [];
-  window.audioBySegment = {};
+  window.pcm = {};  // segment (utterance numbering) -> [Int16Array] as received
+  const onAudio = gw._onAudio.bind(gw);
+  gw._onAudio = (buf) => {
+    const dv = new DataView(buf);
+    const u = gw._record(dv.getUint32(4, true));
+    if (u && !gw._cancelReplies.length) {
+      const k = u.segBase + dv.getUint16(2, true);
+      (window.pcm[k] = window.pcm[k] || []).push(new Int16Array(buf.slice(16)));
+    }
+    onAudio(buf);
+  };
   for (const k of ["disconnected", "reconnecting", "reconnected", "resumed", "audioresumed", "gaveup", "close"]) {
     gw.addEventListener(k, (e) => window.events.push({ type: k, detail: e.detail }));
   }
   window.result = null;
   window.failure = null;
   gw.speak(text).then((r) => (window.result = r), (e) => (window.failure = String(e)));
+  window.u = null;
   return true;
 }
 """
 
 STATE_JS = """
 () => {
-  const u = window.gw._utterances[0];
+  const u = (window.u = window.u || window.gw._utterances[0] || null);
   return {
     plays: u ? u.plays.map((p) => ({ ...p })) : [],
     result: window.result,
@@ -208,25 +220,51 @@ STATE_JS = """
 }
 """
 
+SEGMENT_JS = """
+(k) => {
+  const parts = window.pcm[k] || [];
+  const n = parts.reduce((a, p) => a + p.length, 0);
+  const all = new Int16Array(n);
+  let o = 0;
+  for (const p of parts) { all.set(p, o); o += p.length; }
+  const bytes = new Uint8Array(all.buffer);
+  let bin = "";
+  for (let i = 0; i < bytes.length; i += 0x8000) bin += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  const seg = window.u.segs.get(k);
+  return { pcm: btoa(bin), codes: seg ? btoa(seg.codeBin) : "", rate: window.gw.opts.sampleRate };
+}
+"""
 
-async def test_gateway_restart_mid_answer_resumes_playback(browser: Any,
-                                                          restartable_gateway: RestartableGateway) -> None:
+
+@pytest.mark.parametrize("trial", range(TRIALS))
+async def test_gateway_killed_mid_segment_browser_goes_on_at_the_next_sample(
+        browser: Any, restartable_gateway: RestartableGateway, tiny_model_dir: Path, trial: int) -> None:
     gw = restartable_gateway
     gw.ensure_up()
     page = await browser.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
+    first, delay_s = _kill_point(trial)
     try:
         await page.goto(gw.url + "/")
         await page.evaluate(START_JS, {"text": ANSWER})
         deadline = time.monotonic() + 120
         while True:
             st = await page.evaluate(STATE_JS)
-            if any(p["segment"] >= 1 and p["samples"] > 0 for p in st["plays"]):
+            if any(p["segment"] >= first and p["samples"] > 0 for p in st["plays"]):
                 break
             assert st["result"] is None, f"the whole answer played before the kill: {st}"
-            assert time.monotonic() < deadline, f"no second segment: {st}"
+            assert time.monotonic() < deadline, f"no segment {first}: {st}"
             await asyncio.sleep(0.05)
+        await asyncio.sleep(delay_s)
+        while True:  # the kill lands inside a segment the page has part of
+            st = await page.evaluate(STATE_JS)
+            cut = [p for p in st["plays"] if p["samples"] > 0 and not p["complete"]]
+            if cut:
+                break
+            assert st["result"] is None and time.monotonic() < deadline + 30, f"no partly received segment: {st}"
+            await asyncio.sleep(0.01)
+        k, heard = cut[0]["segment"], cut[0]["samples"]
         t_kill = time.monotonic()
         gw.kill()
         await asyncio.to_thread(gw.start)
@@ -238,6 +276,7 @@ async def test_gateway_restart_mid_answer_resumes_playback(browser: Any,
                 break
             assert time.monotonic() < deadline, f"the answer did not finish after the restart: {st}"
             await asyncio.sleep(0.1)
+        seg = await page.evaluate(SEGMENT_JS, k)
     finally:
         await page.close()
     assert not errors, errors
@@ -249,15 +288,24 @@ async def test_gateway_restart_mid_answer_resumes_playback(browser: Any,
     assert "gaveup" not in kinds and "close" not in kinds, kinds
     outage = st["lastOutage"]
     assert outage and outage["gapMs"] >= 0 and outage["toAudioMs"] >= 0, outage
-    resumed = next(e for e in st["events"] if e["type"] == "audioresumed")["detail"]
-    assert resumed == outage, (resumed, outage)
     # every segment delivered whole exactly once, in order, played through, and together the answer
-    whole = [p for p in res["plays"] if p["complete"] and p["samples"] > 0]
-    idx = [p["segment"] for p in whole]
+    plays = res["plays"]
+    idx = [p["segment"] for p in plays if p["samples"] > 0]
     assert idx == sorted(set(idx)), f"a segment twice or out of order: {idx}"
-    assert idx == sorted({p["segment"] for p in res["plays"] if p["samples"] > 0}), res["plays"]
-    assert all(p["startPos"] + p["samples"] <= st["consumed"] for p in whole), (whole, st["consumed"])
-    assert _words(" ".join(p["text"] for p in whole)) == _words(ANSWER), [p["text"] for p in whole]
-    print(f"[reliability] browser-client-resume: segments={len(idx)}, gateway_restart_s={restart_s:.1f}, "
-          f"outage_ms={outage['outageMs']}, reconnected_to_audio_ms={outage['toAudioMs']}, "
-          f"gap_ms={outage['gapMs']}, attempts={outage['attempts']}", file=sys.stderr)
+    assert all(p["complete"] for p in plays if p["samples"] > 0), plays
+    assert all(p["startPos"] + p["samples"] <= st["consumed"] for p in plays if p["samples"] > 0), plays
+    assert _words(" ".join(p["text"] for p in plays if p["samples"] > 0)) == _words(ANSWER), plays
+    rate = int(seg["rate"])
+    pcm = np.frombuffer(base64.b64decode(seg["pcm"]), "<i2")
+    codes = codes_from_bytes(base64.b64decode(seg["codes"]))
+    j = join(pcm, heard, codes, tiny_model_dir, rate)
+    received = sum(p["samples"] for p in plays)
+    _report("browser-resume-trial", trial=trial, segment=k, heard_ms=round(heard * 1000 / rate),
+            repeated_ms=j.repeated_ms, skipped_ms=j.skipped_ms, join_offset=j.offset_samples,
+            err_after=j.error_after, err_before=j.error_before, codes=len(codes), received=received,
+            consumed=st["consumed"], server_sent=res["serverSamples"], gateway_restart_s=round(restart_s, 1),
+            reconnected_to_audio_ms=outage["toAudioMs"], gap_ms=outage["gapMs"])
+    assert j.repeated_ms <= 0.0 and j.skipped_ms <= 0.0, j
+    assert j.error_after < 0.05 and j.error_before < 0.05, j
+    assert len(pcm) == j.reference_samples, "the segment's samples: exactly its codes' audio"
+    assert received == res["samples"] == res["serverSamples"] == st["consumed"], (received, res, st["consumed"])
