@@ -182,8 +182,9 @@ class EspeakSpeech:
 
     name = "espeak"
     native_sample_rate_hz = ESPEAK_SAMPLE_RATE_HZ
-    resume_mode = ResumeMode.SAMPLES
-    """eSpeak NG makes the same samples for the same text and voice (tests/engine/test_espeak.py)."""
+    resume_mode = ResumeMode.SEGMENT
+    """eSpeak NG does not make the same samples twice (a few hundred samples' difference between
+    calls with the same text and voice, whatever libc's seed): a segment restarts from its start."""
 
     def __init__(
         self,

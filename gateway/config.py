@@ -54,6 +54,11 @@ class GatewayConfig(Checked):
     allowed_origins: tuple[str, ...] = ()
     """Origin allow-list for browser connections. Empty: same-host origins only
     (http(s)://host:port of this server, localhost and 127.0.0.1); ``*`` allows any."""
+    trusted_proxies: tuple[str, ...] = ()
+    """Addresses or CIDR networks of the load balancers in front: from these peers the client's
+    address is read from ``X-Forwarded-For`` (the first hop from the right that is not a trusted
+    proxy; ``gateway.forwarded``), for ``limits.max_sessions_per_client`` and the logs. Empty:
+    the header is ignored and the peer is the client (docs/deploy.md)."""
     write_limit_bytes: int = 65_536
     """websockets write buffer high-water mark; ``send`` waits above it."""
     send_timeout_ms: int = 10_000
@@ -82,6 +87,13 @@ class GatewayConfig(Checked):
             self._fail(name, f"must be in 0..65535, got {value!r}")
         if name == "load_log_interval_s" and value < 0:
             self._fail(name, f"must be >= 0 (0 = off), got {value!r}")
+        if name == "trusted_proxies":
+            from gateway.forwarded import parse_networks
+
+            try:
+                parse_networks(value)
+            except ValueError as exc:
+                self._fail(name, str(exc))
 
     def _cross_check(self) -> None:
         if self.processes < 0:
@@ -120,6 +132,9 @@ class LimitsConfig(Checked):
 
     max_sessions: int = 256
     """Concurrent sessions; over it: HTTP 503 at the handshake."""
+    max_sessions_per_client: int = 0
+    """Concurrent WebSocket sessions from one client address (behind ``gateway.trusted_proxies``:
+    the forwarded one); over it: HTTP 429 at the handshake. 0: no per-client cap."""
     max_message_bytes: int = 65_536
     """Largest client message; over it: close 1009 before the payload is read."""
     max_utterance_chars: int = 20_000
@@ -146,6 +161,11 @@ class LimitsConfig(Checked):
     max_queued_utterances: int = 16
     """Unfinished utterances a session may hold (queued behind the one speaking included); a new
     utterance beyond it is refused with ``queue_full`` (the wire's ``max_queued_utterances``)."""
+
+    def _check_field(self, name: str, value: Any) -> None:
+        super()._check_field(name, value)
+        if name == "max_sessions_per_client" and value < 0:
+            self._fail(name, f"must be >= 0 (0 = no cap), got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -355,6 +355,7 @@ RESUME_FIELDS: Final[tuple[FieldSpec, ...]] = (
               doc="samples of it the client has (at the session rate): they are not sent again"),
     FieldSpec("codes", Kind.STR, max_len=MAX_RESUME_CODES_CHARS,
               doc="base64 of the segment's segment.codes so far, in order (session.started resume: codes)"),
+    FieldSpec("seed", Kind.INT, min=0, max=2**31 - 1, doc="the segment's segment.codes seed"),
 )
 
 SCHEMAS: Final[dict[ClientType, tuple[FieldSpec, ...]]] = {
@@ -530,6 +531,9 @@ class SegmentCodes:
     """Index of the first frame within the segment (a resumed segment's go on from its prefix)."""
     codes: str
     """Base64 of the frames: ``NUM_CODEBOOKS`` little-endian int16 codes each (``engine.api``)."""
+    seed: int
+    """The segment's sampling seed: given back with the codes, the rest of the segment is sampled
+    as it would have been (its end included)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -15,6 +15,7 @@ out their actions:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import logging
@@ -22,6 +23,7 @@ import mimetypes
 import os
 import secrets
 import socket
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +45,7 @@ from gateway import protocol as P
 from gateway.admission import EngineScheduler
 from gateway.config import GatewaySettings
 from gateway.flow import WaterMarks
+from gateway.forwarded import TrustedProxies, parse_networks
 from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics
 from gateway.responses import request_id, response, text_response
@@ -135,6 +138,11 @@ class GatewayServer:
                                                                    resume_mode=engine.resume_mode)
         self.connections: set[_Connection] = set()
         self.draining = False
+        self.proxies = TrustedProxies(parse_networks(config.gateway.trusted_proxies))
+        self._client_of: weakref.WeakKeyDictionary[ServerConnection, str] = weakref.WeakKeyDictionary()
+        """The client address of each accepted handshake, until its session starts."""
+        self._per_client: collections.Counter[str] = collections.Counter()
+        """Open sessions per client address."""
         self._ws: Server | None = None
         self._no_connections = asyncio.Event()
         self._shutdown_task: asyncio.Task[None] | None = None
@@ -238,6 +246,13 @@ class GatewayServer:
             if path.startswith(("/v1/", "/v2/")):  # the dialects' listings, and their 404s, as JSON
                 return dialects.get_listing(self, request, parts.path, parts.query)
             return self._http(path)
+        peer = conn.remote_address[0] if conn.remote_address else ""
+        client = self.proxies.client(str(peer), request.headers.get_all("X-Forwarded-For"))
+        cap = self.config.limits.max_sessions_per_client
+        if cap and self._per_client[client] >= cap:
+            self.metrics.rejected.labels("client").inc()
+            return text_response(429, "too many sessions from this client", [("Retry-After", "1")])
+        self._client_of[conn] = client
         if path != P.WS_PATH:
             return dialects.process_request(self, request)  # OpenAI/ElevenLabs/Deepgram paths, else 404
         if self.draining:
@@ -366,13 +381,21 @@ class GatewayServer:
             await ws.close(code, reason)
             return
         conn = _Connection(self, ws)
+        if isinstance(conn_in, ServerConnection):
+            conn.client = self._client_of.pop(conn_in, None)
         self.connections.add(conn)
+        if conn.client is not None:
+            self._per_client[conn.client] += 1
         self._no_connections.clear()
         self.metrics.sessions.set(len(self.connections))
         self.metrics.sessions_total.inc()
         try:
             await conn.run()
         finally:
+            if conn.client is not None:
+                self._per_client[conn.client] -= 1
+                if self._per_client[conn.client] <= 0:
+                    del self._per_client[conn.client]
             self.connections.discard(conn)
             if not self.connections:
                 self._no_connections.set()
@@ -410,6 +433,8 @@ class _Connection:
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at: float | None = None
         self.done = False
+        self.client: str | None = None
+        """The client's address (behind trusted proxies: the forwarded one); None for HTTP requests."""
         with contextlib.suppress(Exception):
             sock = ws.raw_socket()
             if sock is not None:
@@ -426,7 +451,11 @@ class _Connection:
     # ---- main loops ---------------------------------------------------------------------
 
     async def run(self) -> None:
-        self.log.info("connected from %s", self.ws.remote_address)
+        peer = self.ws.remote_address
+        if self.client is not None and (not peer or self.client != str(peer[0])):
+            self.log.info("connected from %s (client %s)", peer, self.client)
+        else:
+            self.log.info("connected from %s", peer)
         writer = asyncio.create_task(self._writer())
         self._rearm_timer()  # the idle timer runs from the handshake, not from the first message
         try:

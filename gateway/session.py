@@ -24,6 +24,7 @@ import enum
 import hashlib
 import logging
 import math
+import secrets
 from collections import deque
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
@@ -184,6 +185,9 @@ class _Segment:
     """Offset just past the segment in the utterance's text (a client resumes from here)."""
     resumed_at: int = 0
     """A resumed segment: samples of it the client already had (not sent again)."""
+    seed: int = 0
+    """Its sampling seed: the session's ``options.seed``, else a random one (sent in
+    ``segment.codes``: a resume samples the rest of the segment as it would have been)."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +200,8 @@ class _Resume:
     """Samples of it the client has."""
     codes: Any = None
     """Its code frames so far (int64 ``[k, 4]``), for a ``ResumeMode.CODES`` engine."""
+    seed: int | None = None
+    """Its sampling seed (``segment.codes``)."""
 
 
 @dataclass(eq=False)
@@ -658,7 +664,8 @@ class Session:
             self._error(out, P.ErrorCode.INVALID_FIELD, field=bad, msg_id=msg.id)
             return False
         codes = r.get("codes") if mode is ResumeMode.CODES else None
-        return _Resume(text[:r["chars"]], r["samples"], codes if codes is not None and len(codes) else None)
+        return _Resume(text[:r["chars"]], r["samples"], codes if codes is not None and len(codes) else None,
+                       r.get("seed"))
 
     def _on_text_flush(self, now_s: float, msg: P.ClientMessage, out: list[Action]) -> None:
         utt = self._open_utterance()
@@ -827,8 +834,11 @@ class Session:
         index = len(utt.segments)
         first = index == 0
         request_id = f"{self.id}-{utt.id}-{index}"
+        seed = self._params.seed if self._params.seed is not None else secrets.randbits(31)
+        if resume is not None and resume.seed is not None:
+            seed = resume.seed
         seg = _Segment(index=index, text=text, units=text_units(text), request_id=request_id,
-                       start_char=chars[0], end_char=chars[1], resumed_at=resume.samples if resume else 0)
+                       start_char=chars[0], end_char=chars[1], resumed_at=resume.samples if resume else 0, seed=seed)
         utt.segments.append(seg)
         prefix = resume.codes if resume is not None else None
         stream = _Stream(utt=utt, seg=seg, skip=seg.resumed_at, codes_frame=0 if prefix is None else len(prefix))
@@ -841,7 +851,7 @@ class Session:
         self._obs.segment_submitted()
         self.log.debug("segment %s submitted (%d chars)", request_id, len(text),
                        extra={"utterance": utt.id, "request_id": request_id})
-        params = self._params
+        params = replace(self._params, seed=seed)
         floor_ms = self.settings.min_audio_ms_per_unit
         if floor_ms > 0:
             steps = min(params.max_new_tokens - 1, math.ceil(seg.units * floor_ms / STEP_MS - 1e-9))
@@ -924,7 +934,7 @@ class Session:
         """The stream's codes not sent yet, before the audio frame they cover."""
         out.append(SendMessage(P.SegmentCodes(
             utterance_id=s.utt.id, segment=s.seg.index, frame=s.codes_frame,
-            codes=base64.b64encode(s.codes).decode("ascii"))))
+            codes=base64.b64encode(s.codes).decode("ascii"), seed=s.seg.seed)))
         s.codes_frame += len(s.codes) // CODE_FRAME_BYTES
         s.codes.clear()
 

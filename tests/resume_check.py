@@ -2,7 +2,7 @@
 it (before the drop and after the resume) held against a whole decode of the segment's codes (the
 client has them all: ``segment.codes``), to find where the audio after the join really continues.
 
-``join(...)`` slides the audio after the join over the reference, ±300 ms, and takes the best
+``join(...)`` (given the reference: ``reference_pcm`` of the codes) slides the audio after the join over the reference, ±300 ms, and takes the best
 match: an offset of 0 means the listener went on at the next sample; ``d`` > 0 samples means ``d``
 were skipped, ``d`` < 0 that ``-d`` were heard twice.
 """
@@ -47,11 +47,12 @@ def reference_pcm(codes: np.ndarray, model_dir: Path, rate_hz: int) -> np.ndarra
     return np.asarray(pcm, dtype=np.float64)
 
 
-def join(received: np.ndarray, heard: int, codes: np.ndarray, model_dir: Path, rate_hz: int,
+def join(received: np.ndarray, heard: int, ref: np.ndarray, rate_hz: int,
          window_ms: float = 300.0, reach_ms: float = 300.0) -> Join:
     """``received``: the segment's samples in the order the client got them; the first ``heard``
-    came before the drop."""
-    ref = reference_pcm(codes, model_dir, rate_hz)
+    came before the drop. ``ref``: the segment's audio, uninterrupted (``reference_pcm`` of its
+    codes; for an engine that makes the same samples again, another run's)."""
+    ref = np.asarray(ref, dtype=np.float64)
     x = np.asarray(received, dtype=np.float64)
     n = int(min(window_ms * rate_hz / 1000, len(x) - heard))
     reach = int(reach_ms * rate_hz / 1000)

@@ -504,6 +504,8 @@ class Segment:
     """Playout position of its first sample (realtime/speakers)."""
     codes: bytearray = field(default_factory=bytearray)
     """Its ``segment.codes``, decoded and in order (``P.CODE_FRAME_BYTES`` a frame)."""
+    seed: int | None = None
+    """Its sampling seed (``segment.codes``)."""
 
     @property
     def samples(self) -> int:
@@ -609,6 +611,8 @@ class UtteranceState:
             return
         if int(msg.get("frame", -1)) == seg.code_frames and len(data) % P.CODE_FRAME_BYTES == 0:
             seg.codes += data
+            if isinstance(msg.get("seed"), int):
+                seg.seed = int(msg["seed"])
 
     def on_segment_done(self, msg: Mapping[str, Any]) -> None:
         seg = self.segs.get(self.seg_base + int(msg.get("segment", 0)))
@@ -652,6 +656,8 @@ class UtteranceState:
             self.resume_with = {"chars": seg.end_char - seg.start_char, "samples": plan.inside}
             if mode == "codes":
                 self.resume_with["codes"] = base64.b64encode(bytes(seg.codes)).decode("ascii")
+                if seg.seed is not None:
+                    self.resume_with["seed"] = seg.seed
         for j in [j for j in self.segs if j >= plan.segment + (1 if plan.inside else 0)]:
             del self.segs[j]
         self.id = None

@@ -504,6 +504,7 @@ export class VoiceGateway extends EventTarget {
             if (bin.length % PROTOCOL.codes.frame_bytes === 0) {
               seg.codeBin += bin;
               seg.codeFrames += bin.length / PROTOCOL.codes.frame_bytes;
+              if (Number.isInteger(msg.seed)) seg.seed = msg.seed;
             }
           } catch {
             /* not base64: not kept */
@@ -823,7 +824,10 @@ export class VoiceGateway extends EventTarget {
       if (plan.inside > 0) {
         const seg = u.segs.get(k);
         u.resumeWith = { chars: seg.endChar - seg.startChar, samples: plan.inside };
-        if (mode === "codes") u.resumeWith.codes = btoa(seg.codeBin);
+        if (mode === "codes") {
+          u.resumeWith.codes = btoa(seg.codeBin);
+          if (seg.seed != null) u.resumeWith.seed = seg.seed;
+        }
       }
       for (const j of [...u.segs.keys()]) if (j >= k + (plan.inside > 0 ? 1 : 0)) u.segs.delete(j);
       if (u.id != null) this._byId.delete(u.id);

@@ -120,6 +120,10 @@ _NEW_CORE_WAIT_S = 600.0
 _TICK_MIN_RUNNING = 32
 
 
+class _PrefixComplete(EngineError):
+    """``prefix_codes`` as long as the request may run: the segment had reached its length."""
+
+
 class VllmCodeEngine:
     """ChatTTS GPT inside vLLM. See the module docstring."""
 
@@ -512,9 +516,7 @@ class VllmCodeEngine:
             if pre.ndim != 2 or pre.shape[1] != self.info.num_vq or pre.min() < 0 or pre.max() >= a:
                 raise EngineError(f"bad prefix_codes of shape {pre.shape}", EngineErrorKind.RECOVERABLE)
             if len(pre) >= max_new:
-                raise EngineError(
-                    f"prefix of {len(pre)} frames leaves no steps (max {max_new})", EngineErrorKind.RECOVERABLE
-                )
+                raise _PrefixComplete(f"prefix of {len(pre)} frames leaves no steps (max {max_new})")
             prefix = pre.tolist()
         k = 0 if prefix is None else len(prefix)
         seed = p.seed if p.seed is not None else secrets.randbits(63)
@@ -616,6 +618,13 @@ class VllmCodeEngine:
             raise
         try:
             prompt, sp = self.build(request, slot, gen, side_codes=side_codes, cache_salt=cache_salt)
+        except _PrefixComplete:
+            # a resumed segment that had run to its length: nothing is left to generate
+            self._set_live(rid, None)
+            table.release(slot)
+            yield CodeFrames(request_id=rid, codes=np.zeros((0, self.info.num_vq), dtype=np.int64),
+                             finished=True, finish_reason="length")
+            return
         except BaseException:
             self._set_live(rid, None)
             table.release(slot)

@@ -22,7 +22,7 @@ import pytest
 from clients.python import Client, ClientEvent, RetryPolicy
 from engine.api import codes_from_bytes
 from tests.conftest import MAX_MODEL_LEN
-from tests.resume_check import join
+from tests.resume_check import join, reference_pcm
 
 ANSWER = ("Let me walk you through it, one step at a time. First, open the settings page. "
           "Then choose the network tab, near the top. Next, turn the switch on and wait a moment. "
@@ -109,13 +109,15 @@ def restartable_gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathF
 
 
 #: Kill-and-restart trials per client (``VOICEGW_RESUME_TRIALS``; each kills the gateway inside a
-#: partly received segment at a different point).
-TRIALS = int(os.environ.get("VOICEGW_RESUME_TRIALS", "2"))
+#: partly received segment at a different point). CI runs one; the figures in bench/RESULTS.md
+#: come from 10.
+TRIALS = int(os.environ.get("VOICEGW_RESUME_TRIALS", "1"))
 
 
 def _kill_point(trial: int) -> tuple[int, float]:
-    """Trial ``trial`` kills inside a segment from ``first`` on, ``delay_s`` after its audio began."""
-    return 1 + trial % 3, (trial * 0.37) % 1.2
+    """Trial ``trial`` kills inside a segment from ``first`` on (ANSWER makes three), ``delay_s``
+    after that segment's audio began arriving."""
+    return 1 + trial % 2, (trial * 0.43) % 2.0
 
 
 @pytest.mark.parametrize("trial", range(TRIALS))
@@ -160,7 +162,8 @@ async def test_gateway_killed_mid_segment_python_client_goes_on_at_the_next_samp
     assert _words(" ".join(p.text for p in heard_whole)) == _words(ANSWER), [p.text for p in heard_whole]
     assert all(p.complete for p in stats.plays), "the interrupted segment went on in its own take"
     # the interrupted segment: what came after the join continues what came before it
-    j = join(np.frombuffer(pcm[k], "<i2"), heard, codes, tiny_model_dir, c.sample_rate_hz)
+    j = join(np.frombuffer(pcm[k], "<i2"), heard, reference_pcm(codes, tiny_model_dir, c.sample_rate_hz),
+             c.sample_rate_hz)
     played = sum(p.played for p in stats.plays)
     received = sum(p.samples for p in stats.plays)
     _report("python-resume-trial", trial=trial, segment=k, heard_ms=round(heard * 1000 / c.sample_rate_hz),
@@ -298,7 +301,7 @@ async def test_gateway_killed_mid_segment_browser_goes_on_at_the_next_sample(
     rate = int(seg["rate"])
     pcm = np.frombuffer(base64.b64decode(seg["pcm"]), "<i2")
     codes = codes_from_bytes(base64.b64decode(seg["codes"]))
-    j = join(pcm, heard, codes, tiny_model_dir, rate)
+    j = join(pcm, heard, reference_pcm(codes, tiny_model_dir, rate), rate)
     received = sum(p["samples"] for p in plays)
     _report("browser-resume-trial", trial=trial, segment=k, heard_ms=round(heard * 1000 / rate),
             repeated_ms=j.repeated_ms, skipped_ms=j.skipped_ms, join_offset=j.offset_samples,

@@ -92,3 +92,10 @@ async def test_resume_rejects_bad_prefix(vllm_engine: Any) -> None:
         vllm_engine.build(SpeechRequest("bad-2", TEXT, params=_params(), prefix_codes=np.zeros((FRAMES, 4), np.int64)))
     with pytest.raises(EngineError):
         vllm_engine.build(SpeechRequest("bad-3", TEXT, params=_params(), prefix_codes=np.full((2, 4), 999, np.int64)))
+
+
+async def test_resume_of_a_segment_that_ran_to_its_length_generates_nothing(vllm_engine: Any) -> None:
+    req = SpeechRequest("full-prefix", TEXT, params=_params(), prefix_codes=np.zeros((FRAMES, 4), np.int64))
+    frames = [f async for f in vllm_engine.generate(req)]
+    assert [(len(f.codes), f.finished, f.finish_reason) for f in frames] == [(0, True, "length")]
+    assert vllm_engine.health().running_requests == 0

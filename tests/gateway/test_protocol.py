@@ -173,8 +173,8 @@ WIRE: list[tuple[P.ServerMessage, bytes]] = [
      b'"fatal":false,"id":"x","utterance_id":4,"retry_after_ms":0}'),
     (P.ErrorMessage(code=P.ErrorCode.INTERNAL_ERROR),
      b'{"type":"error","code":"internal_error","message":"internal error; the session is closed","fatal":true}'),
-    (P.SegmentCodes(utterance_id=1, segment=2, frame=30, codes="AQACAAMABAA="),
-     b'{"type":"segment.codes","utterance_id":1,"segment":2,"frame":30,"codes":"AQACAAMABAA="}'),
+    (P.SegmentCodes(utterance_id=1, segment=2, frame=30, codes="AQACAAMABAA=", seed=7),
+     b'{"type":"segment.codes","utterance_id":1,"segment":2,"frame":30,"codes":"AQACAAMABAA=","seed":7}'),
     (P.Pong(server_time_ms=12.5), b'{"type":"pong","server_time_ms":12.5}'),
     (P.Pong(server_time_ms=12.5, id=1, t=3), b'{"type":"pong","server_time_ms":12.5,"id":1,"t":3}'),
 ]

@@ -28,8 +28,11 @@ def _chunk(rid: str, ms: int, codes: np.ndarray | None = None, finished: bool = 
     return AudioChunk(rid, pcm, RATE, finished=finished, codes=codes_to_bytes(codes) if codes is not None else b"")
 
 
-def _resume(chars: int = len(FIRST), samples: int = 0, codes: np.ndarray | None = None) -> dict[str, Any]:
+def _resume(chars: int = len(FIRST), samples: int = 0, codes: np.ndarray | None = None,
+            seed: int | None = None) -> dict[str, Any]:
     r: dict[str, Any] = {"chars": chars, "samples": samples}
+    if seed is not None:
+        r["seed"] = seed
     if codes is not None:
         r["codes"] = base64.b64encode(codes_to_bytes(codes)).decode()
     return r
@@ -45,9 +48,12 @@ def test_codes_engine_continues_from_the_prefix_and_drops_what_the_client_has() 
     h = Harness(resume_mode=ResumeMode.CODES)
     h.start(resume=True)
     prefix = _codes(30)
-    st, st2 = starts(h.msg({"type": "text.delta", "text": TEXT, "resume": _resume(samples=250 * MS, codes=prefix)}))
+    st, st2 = starts(h.msg({"type": "text.delta", "text": TEXT,
+                            "resume": _resume(samples=250 * MS, codes=prefix, seed=99)}))
     assert st.request.text == FIRST and st.first  # the second segment generates beside it, as usual
     np.testing.assert_array_equal(st.request.prefix_codes, prefix)
+    assert st.request.params.seed == 99, "the rest of the segment is sampled with its own seed"
+    assert st2.request.params.seed is not None and st2.request.params.seed != 99
     rid = st.request.request_id
     # the engine's audio starts at the segment's start: its first 250 ms are the client's already
     acts = h.audio(rid, 200)
@@ -57,6 +63,7 @@ def test_codes_engine_continues_from_the_prefix_and_drops_what_the_client_has() 
     assert [m["type"] for m in msgs] == ["segment.started", "segment.codes"]
     assert msgs[0]["sample_offset"] == 0 and (msgs[0]["start_char"], msgs[0]["end_char"]) == (0, len(FIRST))
     assert msgs[1]["frame"] == 30, "frames are numbered from the segment's start, the prefix included"
+    assert msgs[1]["seed"] == 99
     np.testing.assert_array_equal(codes_from_bytes(base64.b64decode(msgs[1]["codes"])), _codes(5, 30))
     assert sum(a.samples for a in audio(acts)) == 50 * MS
     first_frame = P.unpack_audio_frame(audio(acts)[0].data)[0]
@@ -74,7 +81,8 @@ def test_codes_engine_continues_from_the_prefix_and_drops_what_the_client_has() 
     msgs = messages(h.s.on_audio(h.now, rid2, _chunk(rid2, 40, codes=_codes(3))))
     seg1 = next(m for m in msgs if m["type"] == "segment.started")
     assert TEXT[seg1["start_char"]:seg1["end_char"]] == seg1["text"] and seg1["start_char"] > len(FIRST)
-    assert next(m for m in msgs if m["type"] == "segment.codes")["frame"] == 0
+    codes1 = next(m for m in msgs if m["type"] == "segment.codes")
+    assert codes1["frame"] == 0 and codes1["seed"] == st2.request.params.seed
 
 
 def test_samples_engine_regenerates_and_drops_what_the_client_has() -> None:
@@ -126,3 +134,13 @@ def test_resume_on_a_later_delta_is_refused() -> None:
     h.msg({"type": "text.delta", "text": "Hello there"})
     (err,) = messages(h.msg({"type": "text.delta", "text": FIRST, "resume": _resume()}), "error")
     assert err["field"] == "resume"
+
+
+def test_every_segment_is_sampled_with_a_seed_the_client_can_give_back() -> None:
+    h = Harness(resume_mode=ResumeMode.CODES)
+    h.start(resume=True)
+    seeds = {st.request.params.seed for st in starts(h.msg({"type": "text.delta", "text": TEXT}))}
+    assert None not in seeds
+    h2 = Harness(resume_mode=ResumeMode.CODES)
+    h2.start(resume=True, options={"seed": 5})
+    assert {st.request.params.seed for st in starts(h2.msg({"type": "text.delta", "text": TEXT}))} == {5}
