@@ -34,13 +34,18 @@ cmd=${1:-help}
 shift || true
 case "$cmd" in
   test)
-    # The browser test drives Debian's chromium (never a downloaded browser).
-    if ! command -v chromium >/dev/null 2>&1; then
+    # The browser test drives Debian's chromium (never a downloaded browser); tests/deploy runs
+    # Debian's haproxy and nginx with the configuration files in deploy/.
+    missing=""
+    for pkg in chromium:chromium haproxy:haproxy nginx:nginx; do
+      command -v "${pkg%%:*}" >/dev/null 2>&1 || [ -x "/usr/sbin/${pkg%%:*}" ] || missing="$missing ${pkg#*:}"
+    done
+    if [ -n "$missing" ]; then
       if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        echo "run.sh: installing Debian chromium for the browser test" >&2
-        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >&2
+        echo "run.sh: installing Debian packages for the browser and deploy tests:$missing" >&2
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing) >&2
       else
-        echo "run.sh: chromium missing and cannot apt-get it (not root): the browser test will fail" >&2
+        echo "run.sh: missing and cannot apt-get (not root):$missing; the browser or deploy tests will fail" >&2
       fi
     fi
     # The released third-party clients (Pipecat, LiveKit Agents, the vendors' SDKs) in a venv of

@@ -316,6 +316,8 @@ class GatewayServer:
     def _http(self, path: str) -> Response:
         if path == "/healthz":
             return self._healthz()
+        if path == "/livez":  # the process serves: restart it only when this fails (docs/deploy.md)
+            return response(200, orjson.dumps({"live": True, "pid": os.getpid()}), "application/json")
         if path == "/metrics":
             self.metrics.engine_running.set(self._engine_health_running())
             return response(200, self.metrics.render(), METRICS_CONTENT_TYPE)
@@ -336,6 +338,7 @@ class GatewayServer:
             h = self.engine.health()
             body: dict[str, Any] = {
                 "engine": h.name,
+                "state": "draining" if self.draining else "ready" if h.healthy else "engine_down",
                 "healthy": bool(h.healthy) and not self.draining,
                 "engine_healthy": bool(h.healthy),
                 "running_requests": h.running_requests,
@@ -345,8 +348,9 @@ class GatewayServer:
             }
         except Exception:
             log.exception("engine health failed")
-            body = {"engine": self.engine.name, "healthy": False, "engine_healthy": False,
-                    "sessions": len(self.connections), "draining": self.draining}
+            body = {"engine": self.engine.name, "state": "draining" if self.draining else "engine_down",
+                    "healthy": False, "engine_healthy": False, "sessions": len(self.connections),
+                    "draining": self.draining}
         return response(200 if body["healthy"] else 503, orjson.dumps(body), "application/json")
 
     def _static(self, path: str) -> Response:

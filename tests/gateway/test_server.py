@@ -362,7 +362,7 @@ async def test_healthz_metrics_and_static(fake_engine: FakeSpeechEngine, make_ga
         health = orjson.loads(body)
         assert status == 200 and headers["Content-Type"] == "application/json"
         assert health["engine"] == fake_engine.name and health["healthy"] is True
-        assert health["sessions"] == 1
+        assert health["sessions"] == 1 and health["state"] == "ready"
 
         status, headers, body = await _http_get(server.url + "/metrics")
         text = body.decode()
@@ -384,6 +384,9 @@ async def test_healthz_metrics_and_static(fake_engine: FakeSpeechEngine, make_ga
         fake_engine.healthy = False
         status, _, body = await _http_get(server.url + "/healthz")
         assert status == 503 and orjson.loads(body)["healthy"] is False
+        assert orjson.loads(body)["state"] == "engine_down"
+        status, _, body = await _http_get(server.url + "/livez")  # the process itself is fine
+        assert status == 200 and orjson.loads(body)["live"] is True
         await c.close()
 
 
