@@ -864,7 +864,7 @@ class Session:
             params=params,
             sample_rate_hz=self.rate_hz,
             prefix_codes=prefix,
-        ), first=first))
+        ), first=first and resume is None))  # a resumed answer is already playing: admission lets it on
 
     def _mark_ready(self, now_s: float) -> None:
         """Note when an utterance's first segment could go out but waits for the pipeline."""

@@ -28,6 +28,8 @@ from typing import Any
 
 import pytest
 
+from tests.browser.conftest import browser  # noqa: F401 - the browser-through-the-proxy test's chromium
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 REPLICA_PORTS = (8801, 8802, 8803)
@@ -104,11 +106,20 @@ class Replica:
         return self.proc is not None and self.proc.poll() is None
 
     def sessions(self) -> int:
-        return int(_http(f"http://127.0.0.1:{self.port}/healthz")[1].get("sessions", 0))
+        # a generous timeout: on a 2-core host three replicas, their sessions and a restarting
+        # engine share the CPU, and an event loop can lag a second or two
+        return int(_http(f"http://127.0.0.1:{self.port}/healthz", timeout_s=15.0)[1].get("sessions", 0))
 
     def signal(self, sig: int) -> None:
+        """SIGTERM: to ``voicegw serve`` alone, as Kubernetes and ``kill PID`` send it (it stops its
+        engine itself once drained; a signal to every process at once would kill the engine core
+        under the draining sessions: systemd needs ``KillMode=mixed``, docs/deploy.md). Other
+        signals (a crash): to every process of the replica."""
         assert self.proc is not None
-        os.killpg(self.proc.pid, sig)
+        if sig == signal.SIGTERM:
+            os.kill(self.proc.pid, sig)
+        else:
+            os.killpg(self.proc.pid, sig)
 
     def wait(self, timeout_s: float = 30) -> int:
         assert self.proc is not None

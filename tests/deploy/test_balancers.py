@@ -94,6 +94,8 @@ async def test_client_address_through_the_trusted_proxy(balancer: Balancer, live
 
 
 def _first_byte_s(base: str) -> float:
+    """Time to the first audio byte of a streamed ``POST /v1/audio/speech`` (a long answer: a
+    buffering proxy would hold it for seconds); the stream is dropped after it."""
     body = ('{"model": "tts-1", "voice": "alloy", "response_format": "pcm", "input": '
             + '"' + ANSWER + " " + ANSWER + '"}').encode()
     req = urllib.request.Request(base + "/v1/audio/speech", data=body, method="POST",
@@ -101,19 +103,22 @@ def _first_byte_s(base: str) -> float:
     t0 = time.monotonic()
     with urllib.request.urlopen(req, timeout=60) as r:
         r.read(1)
-        t = time.monotonic() - t0
-        while r.read(65536):
-            pass
-    return t
+        return time.monotonic() - t0
 
 
 async def test_streamed_http_audio_is_not_buffered(balancer: Balancer, live: list[Replica]) -> None:
-    direct = statistics.median([await asyncio.to_thread(_first_byte_s, f"http://127.0.0.1:{r.port}") for r in live])
-    proxied = statistics.median([await asyncio.to_thread(_first_byte_s, balancer.url) for _ in live])
-    _report(f"{balancer.kind} first byte", direct_ms=round(direct * 1000), proxied_ms=round(proxied * 1000),
-            ratio=round(proxied / direct, 2))
-    # a buffering proxy would hold the first byte until the whole answer is made (seconds)
-    assert proxied <= 1.5 * direct + 0.02, (direct, proxied)
+    """Direct and proxied requests alternate, six each (two per replica); the best of each is
+    compared, so that what is held against the proxy is what it adds, not a slow engine step."""
+    direct: list[float] = []
+    proxied: list[float] = []
+    for i in range(2 * len(live)):
+        direct.append(await asyncio.to_thread(_first_byte_s, f"http://127.0.0.1:{live[i % len(live)].port}"))
+        proxied.append(await asyncio.to_thread(_first_byte_s, balancer.url))
+    best_d, best_p = min(direct), min(proxied)
+    _report(f"{balancer.kind} first byte", direct_ms_best=round(best_d * 1000), proxied_ms_best=round(best_p * 1000),
+            ratio=round(best_p / best_d, 2), direct_ms_p50=round(statistics.median(direct) * 1000),
+            proxied_ms_p50=round(statistics.median(proxied) * 1000))
+    assert best_p <= 1.5 * best_d, (direct, proxied)
 
 
 async def test_elevenlabs_stream_input_through_the_proxy(balancer: Balancer, running: list[Replica]) -> None:
@@ -134,6 +139,37 @@ async def test_elevenlabs_stream_input_through_the_proxy(balancer: Balancer, run
     assert audio > 0 and final
 
 
+SPEAK_JS = """
+async (text) => {
+  const { VoiceGateway } = await import("/voicegw.js");
+  const gw = new VoiceGateway(undefined, { prebufferMs: 100 });
+  await gw.connect();
+  const r = await gw.speak(text);
+  const session = gw.session;
+  await gw.close();
+  return { r, url: location.href, resume: session.resume };
+}
+"""
+
+
+async def test_browser_speaks_through_the_proxy(browser: Any, balancer: Balancer, running: list[Replica]) -> None:
+    """The demo page and the browser client, served and connected through the proxy (the page's
+    Origin checked against the Host the proxy passes)."""
+    page = await browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        await page.goto(balancer.url + "/")
+        out = await page.evaluate(SPEAK_JS, "Hello from the browser, through the proxy.")
+    finally:
+        await page.close()
+    assert not errors, errors
+    r = out["r"]
+    assert r["status"] == "ok" and r["samples"] > 0 and r["samples"] == r["serverSamples"], r
+    assert out["resume"] == "codes", out
+    _report(f"{balancer.kind} browser", ttfa_ms=round(r["ttfaMs"]), samples=r["samples"])
+
+
 async def _speak_and_lose_a_replica(balancer: Balancer, live: list[Replica], sig: int, model_dir: Path) -> None:
     events: list[list[ClientEvent]] = [[] for _ in range(SESSIONS)]
     utts: list[Any] = []
@@ -152,9 +188,8 @@ async def _speak_and_lose_a_replica(balancer: Balancer, live: list[Replica], sig
                                                           retry=RETRY, on_event=functools.partial(on_event, i)))
                    for i in range(SESSIONS)]
         utts += [c.speak(ANSWER) for c in clients]
-        # every answer playing, its second segment arriving
-        await _until(lambda: all(any(p.segment >= 1 and p.samples > 0 for p in u.stats.plays) for u in utts), 60,
-                     "every answer's second segment")
+        # every answer playing (most of each still to come)
+        await _until(lambda: all(any(p.samples > 0 for p in u.stats.plays) for u in utts), 60, "every answer's audio")
         up = [r for r in live if r.alive() and r.up]
         counts = [r.sessions() if r in up else 0 for r in live]
         victim = live[int(np.argmax(counts))]
@@ -208,6 +243,7 @@ async def _speak_and_lose_a_replica(balancer: Balancer, live: list[Replica], sig
             repeated_ms=repeated, skipped_ms=skipped,
             loss_to_first_resumed_sample_ms_p50=round(statistics.median(to_audio_ms)) if to_audio_ms else None,
             max=round(max(to_audio_ms)) if to_audio_ms else None, since_loss_s=round(time.monotonic() - t_lost, 1))
+    assert len(moved) > len(whole), "no answer was cut by the loss: nothing was resumed"
     assert repeated == 0.0 and skipped == 0.0
 
 
