@@ -121,8 +121,9 @@ class EngineConfig(Checked):
     this period on a clock shared by the gateway processes, so that arrivals are prefilled together
     in fewer mixed steps and the steps between run decode-only batches. 0: submit at once."""
     restart_on_crash: bool = True
-    """Restart the code engine (a new vLLM engine core, warm-up included) when it dies, without
-    restarting the gateway; /healthz is 503 and requests fail ``engine_unavailable`` meanwhile."""
+    """Restart the code engine (a new vLLM engine core, warm-up included) or the decoder process
+    when it dies, without restarting the gateway; /healthz is 503 and requests fail
+    ``engine_unavailable`` meanwhile."""
     restart_backoff_s: float = 5.0
     """Wait after a failed restart before the next attempt; doubles per failure, at most 60 s."""
     first_chunk_steps: int = 2

@@ -124,8 +124,8 @@ class ChatTTSSpeech:
         self.exact = self.policy.lookahead_steps >= geo.exact_lookahead_steps
         if not shared:
             await self._code.start()
-        if self.restart_on_crash and callable(getattr(self._code, "restart", None)) and self._watchdog is None:
-            self._watchdog = asyncio.create_task(self._watch(), name="code engine watchdog")
+        if self.restart_on_crash and self._watchdog is None:
+            self._watchdog = asyncio.create_task(self._watch(), name="engine watchdog")
 
     async def close(self) -> None:
         try:
@@ -146,11 +146,23 @@ class ChatTTSSpeech:
     # ------------------------------------------------------------------ restart on crash
 
     async def _watch(self) -> None:
-        """Poll the code engine; restart it when, having been up, it reports itself dead."""
+        """Poll the decoder and the code engine; replace the decoder process when it died, restart
+        the code engine when, having been up, it reports itself dead (where it can restart)."""
         seen_up = False
         failures = 0
+        can_restart = callable(getattr(self._code, "restart", None))
         while True:
             await asyncio.sleep(_RESTART_POLL_S)
+            if not self._decoder.healthy:
+                self._restart_task = asyncio.create_task(self._restart_decoder(), name="decoder restart")
+                ok = await asyncio.shield(self._restart_task)
+                self._restart_task = None
+                if not ok:
+                    failures += 1
+                    await asyncio.sleep(min(_RESTART_BACKOFF_MAX_S, self.restart_backoff_s * 2 ** (failures - 1)))
+                continue
+            if not can_restart:
+                continue
             h = self._code.health()
             if h.healthy:
                 seen_up, failures = True, 0
@@ -186,6 +198,33 @@ class ChatTTSSpeech:
             return False
         self.restarts_s.append(took)
         _log.warning("code engine %s healthy again after %.1f s", self.name, took)
+        return True
+
+    async def _restart_decoder(self) -> bool:
+        """A new decoder process for a dead one: this process starts its own again, or, for a share
+        of a decoder process another process started (``DecoderClient.attach``), takes the share of
+        its replacement from the code engine (``replacement_decoder``: the launcher's message).
+        Streams of the dead one have failed already (``EngineErrorKind.UNRECOVERABLE``)."""
+        from engine.decoder.client import DecoderClient
+
+        old = self._decoder
+        t0 = time.monotonic()
+        _log.warning("decoder down (%s): starting a new decoder process", old.failed)
+        try:
+            attach = None
+            if old.attach is not None:
+                wait = getattr(self._code, "replacement_decoder", None)
+                if wait is None:
+                    raise EngineError("a shared decoder process died and nothing replaces it")
+                attach = await wait()
+            new = DecoderClient(old.settings, attach)
+            await new.start()
+        except Exception:
+            _log.exception("decoder restart failed; retrying after a backoff")
+            return False
+        self._decoder = new
+        await old.close()
+        _log.warning("decoder healthy again after %.1f s", time.monotonic() - t0)
         return True
 
     async def _stop_watchdog(self) -> None:

@@ -37,9 +37,12 @@ uses), not a broker of ours:
   ``/healthz`` turns 503), starts a new engine core for the same clients and sends them its client
   config (``{"event": "core"}``); each gateway process reconnects and warms up (``/healthz`` 200
   again). At most 3 such restarts in 10 minutes (``RestartBudget``), then the group stops (exit 1).
-* **Failure, not healed**: when a gateway or decoder process dies, this process stops the others
-  (1012 to clients: reconnect and resume) and exits 1, for the service manager to start the group
-  again.
+  A dead decoder process is replaced the same way: its gateway processes' streams fail
+  (``engine_unavailable``, 1011), the launcher starts a new decoder process and sends each gateway
+  process its share (``{"event": "decoder"}``), and each one attaches (``ChatTTSSpeech``'s watchdog).
+  Engine cores and decoders share the restart budget.
+* **Failure, not healed**: when a gateway process dies, this process stops the others (1012 to
+  clients: reconnect and resume) and exits 1, for the service manager to start the group again.
 * **Death of this process** (``kill -9`` included): every process of the group (engine core and
   its workers, gateway processes, the decoder) dies with it within a second (``engine.lifeline``);
   the next start removes the shared-memory files left behind (``engine.shm.remove_stale``).
@@ -182,6 +185,21 @@ def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameT
 
         launched[core] = launch_core(core_config(proto, table, m, 1 / cores), m, send)
 
+    def heal_decoder(core: int) -> None:
+        """A new decoder process for dead decoder ``core``: its gateway processes get their shares
+        (sockets included: multiprocessing passes them) and attach by themselves."""
+        settings, shares, theirs, path = shared_decoder_plan(cfg.engine, model_dir, proto.device, m)
+        made.append(path)
+        try:
+            for j, share in enumerate(shares):
+                controls[core * m + j].send({"event": "decoder", "share": share})
+            decoders[core] = spawn_worker(settings, theirs, path, settings.slots)
+        finally:
+            for t in theirs:
+                t.close()
+            for sh in shares:
+                sh.sock.close()  # the gateway processes hold their own copies
+
     stop = _Signals()
     launched: list[CoreLaunch] = []
     decoders: list[Any] = []
@@ -211,7 +229,7 @@ def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameT
                      "spawn %.1f s (the gateway processes log their own readiness)",
                      n, cores, [p.pid for p in procs], len(decoders), [d.pid for d in decoders],
                      t_launch - t0, t_core - t_launch, time.monotonic() - t_core)
-            code = _supervise(procs, launched, stop, cfg, decoders, heal)
+            code = _supervise(procs, launched, stop, cfg, decoders, heal, heal_decoder)
     finally:
         for c in launched:
             c.stop()
@@ -277,9 +295,11 @@ class RestartBudget:
 
 
 def _supervise(procs: list[Any], launched: list[CoreLaunch], stop: _Signals, cfg: Config, decoders: list[Any],
-               heal: Callable[[int], None], budget: RestartBudget | None = None) -> int:
-    """Forward signals; replace a dead engine core (``heal``, within ``budget``); stop the group
-    when a gateway or decoder process dies, or an engine core dies once too often."""
+               heal: Callable[[int], None], heal_decoder: Callable[[int], None],
+               budget: RestartBudget | None = None) -> int:
+    """Forward signals; replace a dead engine core (``heal``) or decoder process (``heal_decoder``),
+    within ``budget``; stop the group when a gateway process dies, or when an engine core or
+    decoder dies once too often."""
     budget = budget or RestartBudget()
     forwarded = 0
     deadline: float | None = None
@@ -297,30 +317,29 @@ def _supervise(procs: list[Any], launched: list[CoreLaunch], stop: _Signals, cfg
             if deadline is not None and time.monotonic() > deadline:
                 _stop_all(procs, cfg, force=True)
                 return 0
-        elif any(not p.is_alive() for p in procs) or any(d.poll() is not None for d in decoders):
+        elif any(not p.is_alive() for p in procs):
             dead = [p.name for p in procs if not p.is_alive()]
-            dead += [f"decoder process {d.pid}" for d in decoders if d.poll() is not None]
             log.error("the group lost %s; stopping the others", ", ".join(dead))
             _stop_all(procs, cfg, force=False)
             return 1
         else:
-            for k, core in enumerate(launched):
-                if not engine_dead(core.manager):
-                    continue
+            lost = [("engine core", k, heal) for k, core in enumerate(launched) if engine_dead(core.manager)]
+            lost += [("decoder process", k, heal_decoder) for k, d in enumerate(decoders) if d.poll() is not None]
+            for what, k, replace in lost:
                 if not budget.allow(time.monotonic()):
-                    log.error("engine core %d died: more than %d restarts in %.0f s; stopping the group",
-                              k, budget.limit, budget.window_s)
+                    log.error("%s %d died: more than %d restarts in %.0f s; stopping the group",
+                              what, k, budget.limit, budget.window_s)
                     _stop_all(procs, cfg, force=False)
                     return 1
-                log.warning("engine core %d died: starting a new one (its gateway processes reconnect)", k)
+                log.warning("%s %d died: starting a new one (its gateway processes reconnect)", what, k)
                 t0 = time.monotonic()
                 try:
-                    heal(k)
-                except Exception as exc:  # noqa: BLE001 - a core that cannot start: the group stops
-                    log.error("cannot start a new engine core %d: %s; stopping the group", k, exc)
+                    replace(k)
+                except Exception as exc:  # noqa: BLE001 - one that cannot start: the group stops
+                    log.error("cannot start a new %s %d: %s; stopping the group", what, k, exc)
                     _stop_all(procs, cfg, force=False)
                     return 1
-                log.warning("engine core %d replaced in %.1f s", k, time.monotonic() - t0)
+                log.warning("%s %d replaced in %.1f s", what, k, time.monotonic() - t0)
         time.sleep(_POLL_S)
 
 

@@ -87,7 +87,9 @@ class SharedClient:
     """``multiprocessing`` Connection (receiving end) from the launcher: ``{"event": "dead"}`` when
     the engine core died (vLLM's client of an engine core it did not start cannot see that), then
     ``{"event": "core", "client_config": ...}`` for the engine core started in its place
-    (``VllmCodeEngine.restart``). None: a dead engine core is unrecoverable."""
+    (``VllmCodeEngine.restart``); ``{"event": "decoder", "share": SharedDecoder}`` for a decoder
+    process started in place of a dead one (``VllmCodeEngine.replacement_decoder``). None: a dead
+    engine core or decoder process is unrecoverable."""
 
 
 def _detect_device(cfg: EngineConfig) -> str:
@@ -160,6 +162,9 @@ class VllmCodeEngine:
         self._control_task: asyncio.Task[None] | None = None
         self._replacement: dict[str, Any] | None = None
         self._replaced = asyncio.Event()
+        self._decoder_share: Any = None
+        """The newest decoder share the launcher sent (``SharedDecoder``), not yet taken."""
+        self._decoder_sent = asyncio.Event()
         self._speakers: OrderedDict[str, ResolvedSpeaker | None] = OrderedDict()
         self.device = _detect_device(cfg)
         self.start_seconds: float | None = None
@@ -397,6 +402,20 @@ class VllmCodeEngine:
                 self.shared = dataclasses.replace(self.shared, client_config=config)
             await self.start()
 
+    async def replacement_decoder(self) -> Any:
+        """This process's share (``SharedDecoder``) of the decoder process the launcher started in
+        place of a dead one (``SharedClient.control``), once it has been sent."""
+        if self.shared is None or self.shared.control is None:
+            raise EngineError("the shared decoder process died and none replaces it", EngineErrorKind.UNRECOVERABLE)
+        try:
+            await asyncio.wait_for(self._decoder_sent.wait(), _NEW_CORE_WAIT_S)
+        except TimeoutError:
+            raise EngineError(f"no new decoder process from the launcher in {_NEW_CORE_WAIT_S:.0f} s",
+                              EngineErrorKind.UNRECOVERABLE) from None
+        share, self._decoder_share = self._decoder_share, None
+        self._decoder_sent.clear()
+        return share
+
     async def _listen_to_launcher(self) -> None:
         """Messages of the launcher (``SharedClient.control``), until the pipe closes."""
         assert self.shared is not None
@@ -418,6 +437,11 @@ class VllmCodeEngine:
                     elif msg.get("event") == "core":
                         self._replacement = msg["client_config"]
                         self._replaced.set()
+                    elif msg.get("event") == "decoder":
+                        old, self._decoder_share = self._decoder_share, msg["share"]
+                        if old is not None:  # superseded: its decoder process died before we took it
+                            old.sock.close()
+                        self._decoder_sent.set()
         finally:
             loop.remove_reader(control.fileno())
 

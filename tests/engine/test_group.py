@@ -88,6 +88,31 @@ async def _speak(port: int, text: str) -> Transcript:
     return t
 
 
+async def _fate(t: Transcript) -> tuple[str, int | None]:
+    """("ok", None) for an answer that finished, else (error code, close code)."""
+    with contextlib.suppress(Exception):
+        await t.wait_for("utterance.done", within_s=120)
+    if t.errors():
+        code = None
+        with contextlib.suppress(Exception):
+            code = (await t.wait_closed(within_s=5))[0]
+        return str(t.errors()[0]["code"]), code
+    return str(t.of_type("utterance.done")[0]["status"]), None
+
+
+async def _all_healthy(port: int, processes: int, within_s: float) -> bool:
+    """Whether ``/healthz`` answered healthy from ``processes`` distinct gateway processes within
+    ``within_s`` (the kernel spreads the connections)."""
+    pids: set[int] = set()
+    deadline = time.monotonic() + within_s
+    while len(pids) < processes and time.monotonic() < deadline:
+        h = await asyncio.to_thread(_health, port)
+        if h is not None and h.get("healthy"):
+            pids.add(int(h["pid"]))
+        await asyncio.sleep(0.2)
+    return len(pids) >= processes
+
+
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -157,6 +182,37 @@ async def test_gateway_processes_share_one_engine_core_and_the_port(tiny_model_d
         paths = _listening_ipc_paths([p for p in _children(proc.pid) if "voicegw-gateway-" in _cmdline(p)])
         assert len(paths) == 4, paths  # input and output endpoint per gateway process
         assert all(map(_exists, paths)), paths
+        # the decoder process dies mid-answer: the sessions on it fail (engine_unavailable, 1011),
+        # the launcher starts a new one, both gateway processes attach (healthy again), new sessions speak
+        decoder = next(p for p in _children(proc.pid) if "engine.decoder.worker" in _cmdline(p))
+        talking = []
+        for i in range(4):
+            t = Transcript()
+            c = quiet_client(f"ws://127.0.0.1:{port}/ws", t, voice=300 + i)
+            await c.connect()
+            await c.send_text(f"Session {i} tells a long story. " * 6)
+            await c.end()
+            talking.append((c, t))
+        for _, t in talking:
+            await t.wait_audio(within_s=90)
+        t_kill = time.monotonic()
+        os.kill(decoder, signal.SIGKILL)
+        fates = await asyncio.gather(*(_fate(t) for _, t in talking))
+        assert all(f in (("ok", None), ("engine_unavailable", 1011)) for f in fates), fates
+        assert ("engine_unavailable", 1011) in fates, fates  # answers were still being decoded
+        healthy = await _all_healthy(port, 2, within_s=180)
+        t_healthy = time.monotonic() - t_kill
+        assert healthy, _text(tmp_path / "serve.log")[-3000:]
+        assert "decoder process 0 replaced" in _text(tmp_path / "serve.log")
+        assert proc.returncode is None
+        new = [p for p in _children(proc.pid) if "engine.decoder.worker" in _cmdline(p)]
+        assert len(new) == 1 and new[0] != decoder, new
+        for t in await asyncio.gather(*(_speak(port, f"After the decoder crash session {i} speaks.") for i in range(4))):
+            assert t.samples > 0 and not t.errors()
+        print(f"[group decoder heal] healthy {t_healthy:.1f} s after the kill", flush=True)
+        for c, _ in talking:
+            with contextlib.suppress(Exception):
+                await c.close()
         # graceful stop: SIGTERM to the launcher drains both gateways, then the engine core stops
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 60) == 0
@@ -197,31 +253,14 @@ async def test_the_group_heals_when_one_of_its_engine_cores_dies(tiny_model_dir:
         t_kill = time.monotonic()
         os.kill(cores[1], signal.SIGKILL)
 
-        async def fate(t: Transcript) -> tuple[str, int | None]:
-            """("ok", None) for an answer that finished, else (error code, close code)."""
-            with contextlib.suppress(Exception):
-                await t.wait_for("utterance.done", within_s=120)
-            if t.errors():
-                code = None
-                with contextlib.suppress(Exception):
-                    code = (await t.wait_closed(within_s=5))[0]
-                return str(t.errors()[0]["code"]), code
-            return str(t.of_type("utterance.done")[0]["status"]), None
-
-        fates = await asyncio.gather(*(fate(t) for _, t in talking))
+        fates = await asyncio.gather(*(_fate(t) for _, t in talking))
         for f in fates:
             assert f in (("ok", None), ("engine_unavailable", 1011)), fates
         assert ("engine_unavailable", 1011) in fates or all(f == ("ok", None) for f in fates), fates
         # healthy again: both gateway processes answer 200, the launcher still runs
-        pids: set[int] = set()
-        deadline = time.monotonic() + 240
-        while len(pids) < 2 and time.monotonic() < deadline:
-            h = await asyncio.to_thread(_health, port)
-            if h is not None and h.get("healthy"):
-                pids.add(int(h["pid"]))
-            await asyncio.sleep(0.2)
+        healthy = await _all_healthy(port, 2, within_s=240)
         t_healthy = time.monotonic() - t_kill
-        assert len(pids) == 2, _text(log)[-3000:]
+        assert healthy, _text(log)[-3000:]
         assert proc.returncode is None
         assert "engine core 1 replaced" in _text(log)
         t_new = time.monotonic()

@@ -317,3 +317,52 @@ async def test_engine_restarts_by_itself_after_a_crash() -> None:
         pytest.skip("the crash test did not get that far")
     assert CRASH["self_restarted"], "no restart-on-crash: no new engine core within 60 s of the kill"
     assert CRASH.get("recovered"), "the engine core came back but the gateway did not serve again"
+
+
+async def test_decoder_process_killed_mid_stream_then_recovery(vllm_parts: tuple[Any, Any],
+                                                              make_gateway: GatewayFactory):
+    """SIGKILL the decoder process under three streaming sessions: each gets ``engine_unavailable``
+    and close 1011, ``/healthz`` turns 503 ("decoder down"); the product's watchdog starts a new
+    decoder process by itself, ``/healthz`` is 200 again, and an idle session and a new one speak."""
+    speech, _ = vllm_parts
+    async with make_gateway(speech, limits={"max_sessions": 16}) as server:
+        streaming: list[tuple[Client, Transcript]] = []
+        for i in range(3):
+            t = Transcript()
+            c = quiet_client(server.ws_url, t, voice=200 + i)
+            await c.connect()
+            await c.send_text(TEXT + " " + TEXT)
+            streaming.append((c, t))
+        idle = fast_client(server.ws_url)
+        await idle.connect()
+        for _, t in streaming:
+            await t.wait_audio(within_s=60)
+        old_pid = speech._decoder._proc.pid
+        t_kill = time.monotonic()
+        os.kill(old_pid, signal.SIGKILL)
+        assert await wait_until(lambda: not speech.health().healthy, within_s=2, interval=0.02)
+        status, body = await _healthz(server)
+        assert status == 503 and body["engine_healthy"] is False, body
+
+        async def fate(t: Transcript) -> tuple[str | None, int | None]:
+            err = await t.wait_for("error", within_s=10)
+            return err["code"], (await t.wait_closed(within_s=5))[0]
+
+        fates = await asyncio.gather(*(fate(t) for _, t in streaming))
+        assert all(f == ("engine_unavailable", 1011) for f in fates), fates
+        assert await wait_until(lambda: speech.health().healthy, within_s=120, interval=0.1)
+        healthy_s = time.monotonic() - t_kill
+        new_pid = speech._decoder._proc.pid
+        assert new_pid != old_pid
+        status, _ = await _healthz(server)
+        assert status == 200
+        async with fast_client(server.ws_url) as c:
+            stats = await asyncio.wait_for(c.speak("A new session after the decoder crash.").wait_played(), 90)
+        assert stats.status == "ok" and stats.server_samples, stats
+        stats = await asyncio.wait_for(idle.speak("The idle session speaks again.").wait_played(), 90)
+        assert stats.status == "ok", stats
+        await idle.close()
+        for c, _ in streaming:
+            await c.close()
+        _report("decoder-recovery", fates=fates, healthy_after_kill_s=round(healthy_s, 1),
+                old_decoder=old_pid, new_decoder=new_pid)
