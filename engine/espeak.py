@@ -215,6 +215,10 @@ class EspeakSpeech:
 
     # ----------------------------------------------------------------- lifecycle
 
+    def check_voice(self, voice: str | int) -> str | None:
+        """None: every value picks a voice (``voice_for``)."""
+        return None
+
     async def start(self) -> None:
         if self._thread is not None and self._thread.is_alive():
             return

@@ -28,7 +28,7 @@ import numpy as np
 from engine.api import CodeFrames, EngineError, EngineErrorKind, EngineHealth, SpeechRequest
 from engine.config import EngineConfig
 from engine.prompt import read_model_info
-from engine.speaker import SpeakerError, resolve_speaker
+from engine.speaker import BAD_SPEAKER, SpeakerError, resolve_speaker
 
 _log = logging.getLogger(__name__)
 
@@ -128,6 +128,14 @@ class ReferenceCodeEngine:
         ev = self._running.get(request_id)
         if ev is not None:
             ev.set()
+
+    def check_speaker(self, value: str | int) -> str | None:
+        """Why ``value`` is not a speaker this model can use (a fixed phrase), or None."""
+        try:
+            resolve_speaker(value, self.info.hidden_size)
+        except SpeakerError:
+            return BAD_SPEAKER
+        return None
 
     def _params(self, request: SpeechRequest) -> Any:
         chat = self._chat

@@ -67,6 +67,10 @@ def sample_from_seed(seed: int, hidden: int) -> np.ndarray:
     return spk.numpy().copy()
 
 
+BAD_SPEAKER = "not a seed or a speaker embedding of this model"
+"""What a client is told about a voice ``resolve_speaker`` refuses (the detail stays in the log)."""
+
+
 def resolve_speaker(value: str | int | None, hidden: int) -> ResolvedSpeaker | None:
     """Speaker value -> embedding (None or "" -> no speaker). Raises ``SpeakerError``."""
     if value is None or (isinstance(value, str) and not value.strip()):

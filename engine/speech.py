@@ -246,6 +246,10 @@ class ChatTTSSpeech:
 
     # ------------------------------------------------------------------ synthesis
 
+    def check_voice(self, voice: str | int) -> str | None:
+        check = getattr(self._code, "check_speaker", None)
+        return check(voice) if check is not None else None
+
     def synthesize(self, request: SpeechRequest) -> AsyncIterator[AudioChunk]:
         if request.sample_rate_hz not in SUPPORTED_RATES_HZ:
             raise EngineError(f"sample rate {request.sample_rate_hz} not supported ({SUPPORTED_RATES_HZ})")

@@ -135,7 +135,8 @@ class GatewayServer:
         self.static_dir = (static_dir or default_static_dir()).resolve()
         self.metrics = metrics or GatewayMetrics()
         self.settings = settings or SessionSettings.from_config(config, engine_name=engine.name,
-                                                                   resume_mode=engine.resume_mode)
+                                                                   resume_mode=engine.resume_mode,
+                                                                   check_voice=engine.check_voice)
         self.connections: set[_Connection] = set()
         self.draining = False
         self.proxies = TrustedProxies(parse_networks(config.gateway.trusted_proxies))

@@ -26,6 +26,7 @@ import logging
 import math
 import secrets
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
@@ -69,13 +70,18 @@ class SessionSettings(SessionConfig):
     engine_name: str = "unknown"
     resume_mode: ResumeMode = ResumeMode.SEGMENT
     """How the engine continues a segment a client received part of (``SpeechEngine.resume_mode``)."""
+    check_voice: Callable[[str | int], str | None] | None = None
+    """Why a ``session.start`` voice cannot be used, or None (``SpeechEngine.check_voice``); a
+    refused voice is an ``invalid_field`` error on ``voice`` and the session does not start."""
 
     @classmethod
     def from_config(cls, config: GatewaySettings, engine_name: str,
-                    resume_mode: ResumeMode = ResumeMode.SEGMENT, **overrides: Any) -> SessionSettings:
+                    resume_mode: ResumeMode = ResumeMode.SEGMENT,
+                    check_voice: Callable[[str | int], str | None] | None = None,
+                    **overrides: Any) -> SessionSettings:
         session = {f.name: getattr(config.session, f.name) for f in fields(SessionConfig)}
         return cls(**{**session, **overrides}, limits=config.limits, engine_name=engine_name,
-                   resume_mode=resume_mode)
+                   resume_mode=resume_mode, check_voice=check_voice)
 
 
 # ---- actions ------------------------------------------------------------------------------
@@ -552,9 +558,15 @@ class Session:
             self._error(out, P.ErrorCode.SESSION_ALREADY_STARTED, msg_id=msg.id)
             return
         f = msg.fields
+        voice = f.get("voice")
+        if voice not in (None, "") and self.settings.check_voice is not None:
+            why = self.settings.check_voice(voice)
+            if why is not None:
+                self.log.info("session.start refused: voice %s: %s", _voice_for_log(voice), why)
+                self._error(out, P.ErrorCode.INVALID_FIELD, field="voice", msg_id=msg.id)
+                return
         self.rate_hz = int(f.get("sample_rate", P.DEFAULT_SAMPLE_RATE_HZ))
         self.format = P.AudioFormat(f.get("format", P.AudioFormat.PCM16.value))
-        voice = f.get("voice")
         self._voice = voice if voice != "" else None
         self._language = f.get("language")
         self._idle_timeout_s = min(self.settings.limits.idle_timeout_s,

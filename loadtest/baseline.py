@@ -61,6 +61,9 @@ class NativePipelineSpeech:
         self._waiting = 0
         self._error: str | None = None
 
+    def check_voice(self, voice: str | int) -> str | None:
+        return None
+
     async def start(self) -> None:
         from engine.prompt import read_model_info
         from engine.reference import load_chat

@@ -86,6 +86,9 @@ class SimBatchEngine:
     _wake: asyncio.Event | None = None
     _task: asyncio.Task[None] | None = None
 
+    def check_voice(self, voice: str | int) -> str | None:
+        return None
+
     async def start(self) -> None:
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._loop())
@@ -187,6 +190,9 @@ class FakeSpeechEngine:
     started: bool = False
     chunks_made: int = 0
 
+    def check_voice(self, voice: str | int) -> str | None:
+        return None
+
     async def start(self) -> None:
         self.started = True
 
@@ -266,6 +272,9 @@ class CountingEngine:
     @property
     def resume_mode(self) -> ResumeMode:
         return self.inner.resume_mode
+
+    def check_voice(self, voice: str | int) -> str | None:
+        return self.inner.check_voice(voice)
 
     async def start(self) -> None:
         pass

@@ -471,6 +471,7 @@ class Client:
             "sample_rate": self.sample_rate_hz,
             "format": self.format.value,
             "resume": True,
+            "id": core.SESSION_START_ID,
         }
         if self.voice is not None:
             start["voice"] = self.voice

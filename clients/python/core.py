@@ -807,9 +807,14 @@ class Refused(Generic[U]):
     msg: Mapping[str, Any]
 
 
+SESSION_START_ID = "session.start"
+"""The ``id`` both clients give ``session.start``: an ``error`` that echoes it refused the session."""
+
+
 @dataclass(frozen=True)
 class FatalError:
-    """A fatal ``error``: the session closes after it."""
+    """A fatal ``error`` (the session closes after it), or the refusal of ``session.start`` (an
+    ``error`` with ``SESSION_START_ID``: the session did not start)."""
 
     code: str
     message: str
@@ -957,6 +962,6 @@ class ClientCore(Generic[U]):
                 o.stats.error = code
                 reg.forget(o)
                 out.append(Refused(o, code, str(msg.get("message", "")), msg))
-        if msg.get("fatal"):
+        if msg.get("fatal") or msg.get("id") == SESSION_START_ID:
             out.append(FatalError(code, str(msg.get("message", "")), msg))
         return out

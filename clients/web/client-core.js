@@ -19,6 +19,9 @@
 import { PROTOCOL } from "./protocol.js";
 
 /** Close codes after which a session is worth resuming (docs/protocol.md, close codes). */
+/** The id both clients give session.start: an error that echoes it refused the session. */
+export const SESSION_START_ID = "session.start";
+
 export const RESUMABLE_CLOSES = new Set([1006, 1011, 1012, 1013]);
 /** Close codes that say: do not retry. */
 export const FINAL_CLOSES = new Set([1002, 1007, 1008, 1009]);

@@ -41,9 +41,18 @@ const HISTORY_ITEMS = 5;
 /** The page's feedback when the gateway cannot be reached: the pill, an alert line, the log. */
 function showConnectError(err) {
   const msg = err && err.message ? err.message : String(err);
+  const el = $("conn-error");
+  if (err && err.code === "invalid_field" && err.detail && err.detail.field === "voice") {
+    // the gateway is up but cannot use this voice (session.start refused)
+    $("conn").textContent = "voice refused";
+    $("conn").className = "pill off";
+    el.textContent = "The gateway cannot use this voice: give a seed (a number) or a speaker embedding of its model.";
+    el.hidden = false;
+    log(`voice refused: ${msg}`);
+    return;
+  }
   $("conn").textContent = "unreachable";
   $("conn").className = "pill off";
-  const el = $("conn-error");
   el.textContent = `Cannot reach the gateway (${msg}). Is \`voicegw serve\` running? Press a button to try again.`;
   el.hidden = false;
   log(`cannot connect: ${msg}`);

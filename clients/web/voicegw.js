@@ -26,7 +26,7 @@
 // (401 and 503 look alike): such attempts are retried until the deadline; a socket that opens and
 // is closed with a do-not-retry code (1002, 1007, 1008, 1009) ends the reconnecting.
 
-import { DEFAULT_RETRY, Reconnector, overloadDecision, planResume } from "./client-core.js";
+import { DEFAULT_RETRY, Reconnector, SESSION_START_ID, overloadDecision, planResume } from "./client-core.js";
 import { PROTOCOL } from "./protocol.js";
 
 export { DEFAULT_RETRY, PROTOCOL };
@@ -188,7 +188,11 @@ export class VoiceGateway extends EventTarget {
       }
       this._onClose(e);
     };
-    const start = { type: T.SESSION_START, sample_rate: this.opts.sampleRate, format: this.opts.format, resume: true };
+    // its id: an error that echoes it refused the session (a voice the engine cannot use ...)
+    const start = {
+      type: T.SESSION_START, sample_rate: this.opts.sampleRate, format: this.opts.format, resume: true,
+      id: SESSION_START_ID,
+    };
     if (this.opts.voice != null && this.opts.voice !== "") start.voice = this.opts.voice;
     if (this.opts.language) start.language = this.opts.language;
     if (this.opts.options) start.options = this.opts.options;
@@ -562,7 +566,7 @@ export class VoiceGateway extends EventTarget {
         } else if (u && msg.utterance_id != null) {
           this._maybeRetry(u, msg);
         }
-        if (msg.fatal && this._sessionWaiter) {
+        if ((msg.fatal || msg.id === SESSION_START_ID) && this._sessionWaiter) {
           this._sessionWaiter.reject(new VoicegwError(msg.code, msg.message, msg));
           this._sessionWaiter = null;
         }

@@ -41,7 +41,7 @@ from engine.api import (
 )
 from engine.config import EngineConfig
 from engine.prompt import CodeModelInfo, PromptBuilder
-from engine.speaker import ResolvedSpeaker, SpeakerError, resolve_speaker
+from engine.speaker import BAD_SPEAKER, ResolvedSpeaker, SpeakerError, resolve_speaker
 from engine.vllm._env import child_env, prepare
 from engine.vllm.channel import ENV_KEY, FrameTable, TableSpec
 from engine.vllm.state import EXTRA_KEY, RequestParams, encode_vector
@@ -492,6 +492,15 @@ class VllmCodeEngine:
         gc.collect()
 
     # ------------------------------------------------------------------ requests
+
+    def check_speaker(self, value: str | int) -> str | None:
+        """Why ``value`` is not a speaker this model can use (a fixed phrase), or None; a good one
+        is resolved into the cache the requests read."""
+        try:
+            self._speaker(value)
+        except SpeakerError:
+            return BAD_SPEAKER
+        return None
 
     def _speaker(self, value: str | int | None) -> ResolvedSpeaker | None:
         if value is None:

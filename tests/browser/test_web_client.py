@@ -376,6 +376,25 @@ async def test_demo_page_says_when_the_gateway_is_unreachable(page: Any, gateway
     assert history.startswith("recent: ok · TTFA "), history
 
 
+async def test_demo_page_says_when_the_voice_is_refused(page: Any, gateway: Any, speech_engine: Any) -> None:
+    """A custom voice the engine cannot use (issue 34 item 8): ``session.start`` is refused
+    ``invalid_field`` on ``voice``, and the page says so (pill, alert line), with no uncaught
+    rejection and no utterance (it used to be accepted, then fail with ``engine_error``)."""
+    if speech_engine.check_voice("not a speaker") is None:
+        pytest.skip(f"{speech_engine.name} takes any voice string")
+    await page.goto(f"{gateway.url}/?voice=not%20a%20speaker&prebuffer={PREBUFFER_MS}")
+    await page.wait_for_function("window.voicegwDemo && window.voicegwDemo.ready")
+    await page.fill("#text", "Short demo sentence.")
+    await page.click("#speak")
+    await page.wait_for_function("!document.getElementById('conn-error').hidden", timeout=20_000)
+    assert "cannot use this voice" in (await page.text_content("#conn-error") or "")
+    assert (await page.text_content("#conn")) == "voice refused"
+    log = await page.text_content("#log") or ""
+    assert "voice refused" in log and "NaN" not in log, log
+    assert await page.evaluate("window.voicegwDemo.results.length") == 0
+    assert not page.errors, page.errors
+
+
 async def test_demo_caption_follows_the_playhead(page: Any, gateway: Any) -> None:
     """The "speaking:" caption changes when the player reaches the segment, not when the server
     starts sending it (it used to run ~2 s ahead of the audio)."""

@@ -48,7 +48,8 @@ def make_gateway(tmp_path: Path) -> GatewayFactory:
         settings: dict[str, Any] | None = None,
     ) -> AsyncIterator[GatewayServer]:
         config = make_config(gateway, limits)
-        st = SessionSettings.from_config(config, engine.name, engine.resume_mode, **(settings or {}))
+        st = SessionSettings.from_config(config, engine.name, engine.resume_mode, engine.check_voice,
+                                        **(settings or {}))
         server = GatewayServer(config, engine, static_dir=static_dir or tmp_path, settings=st)
         await server.start()
         try:

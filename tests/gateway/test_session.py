@@ -510,3 +510,16 @@ def test_min_audio_ms_per_unit_floors_min_new_tokens() -> None:
         want = math.ceil(text_units(r.text) * 32.0 / STEP_MS - 1e-9)
         assert r.params.min_new_tokens == want > 0
         assert r.params.min_new_tokens < r.params.max_new_tokens
+
+
+def test_a_voice_the_engine_refuses_is_an_invalid_field_at_session_start():
+    """``SessionSettings.check_voice`` (the engine's ``check_voice``): a voice it refuses answers
+    ``invalid_field`` on ``voice`` (the reason stays in the log), the session does not start, and
+    a ``session.start`` with a good voice then starts it."""
+    h = Harness(check_voice=lambda v: "not a seed or a speaker embedding of this model" if v == "garbage" else None)
+    err = h.start(voice="garbage", id=7)
+    assert err["type"] == "error" and err["code"] == "invalid_field" and err["field"] == "voice", err
+    assert err["id"] == 7 and "embedding" not in orjson.dumps(err).decode()
+    assert not h.s.started
+    assert h.start(voice=3)["type"] == "session.started"
+    assert Harness(check_voice=lambda v: "no").start()["type"] == "session.started"  # no voice: not checked

@@ -161,9 +161,11 @@ async def test_abrupt_disconnects_leave_no_request_in_vllm(vllm_parts: tuple[Any
 
 
 async def test_speaker_bomb_does_not_stall_other_sessions(vllm_parts: tuple[Any, Any], make_gateway: GatewayFactory):
-    """One client sends one-word utterances with the largest decompression-bomb ``voice`` the
-    protocol lets through (see test_hostile_values.py); a bystander's ping round trips must stay
-    fast."""
+    """A client opens sessions with the largest decompression-bomb ``voice`` the protocol lets
+    through (see test_hostile_values.py), and with a string that is no speaker at all: each
+    ``session.start`` is refused ``invalid_field`` on ``voice`` (the engine's ``check_voice``,
+    issue 34 item 8), and a bystander's ping round trips stay fast meanwhile."""
+    from clients.python import VoicegwError
     from tests.reliability.test_hostile_values import largest_bomb
 
     speech, _ = vllm_parts
@@ -173,13 +175,17 @@ async def test_speaker_bomb_does_not_stall_other_sessions(vllm_parts: tuple[Any,
     async with make_gateway(speech) as server:
         bystander = quiet_client(server.ws_url)
         await bystander.connect()
-        attacker = quiet_client(server.ws_url, voice=bomb)
-        await attacker.connect()
+        refused: list[str] = []
 
         async def attack() -> None:
-            for _ in range(3):
-                u = attacker.speak("Hi.")
-                await asyncio.wait_for(u.done.wait(), 60)  # refused or spoken: either way done
+            for voice in (bomb, "not a speaker", bomb, "not a speaker"):
+                attacker = quiet_client(server.ws_url, voice=voice)
+                try:
+                    await attacker.connect()
+                except VoicegwError as exc:
+                    refused.append(f"{exc.code}:{(exc.detail or {}).get('field')}")
+                finally:
+                    await attacker.close()
 
         task = asyncio.create_task(attack())
         worst = 0.0
@@ -189,8 +195,11 @@ async def test_speaker_bomb_does_not_stall_other_sessions(vllm_parts: tuple[Any,
             worst = max(worst, time.monotonic() - t0)
             await asyncio.sleep(0.02)
         await task
-        _report("speaker-bomb", worst_bystander_rtt_ms=round(1000 * worst))
-        await attacker.close()
+        _report("speaker-bomb", worst_bystander_rtt_ms=round(1000 * worst), refused=refused)
+        assert refused == ["invalid_field:voice"] * 4, refused
+        async with fast_client(server.ws_url, voice=1234) as good:  # a seed is a voice
+            stats = await asyncio.wait_for(good.speak("A seed voice speaks.").wait_played(), 90)
+            assert stats.status == "ok", stats
         await bystander.close()
         assert worst < 0.25, worst
 

@@ -46,7 +46,8 @@ class ThreadedGateway:
 
         async def start() -> None:
             await self.engine.start()
-            st = SessionSettings.from_config(self.config, self.engine.name, self.engine.resume_mode)
+            st = SessionSettings.from_config(self.config, self.engine.name, self.engine.resume_mode,
+                                            self.engine.check_voice)
             self.server = GatewayServer(self.config, self.engine, settings=st)
             await self.server.start()
 
