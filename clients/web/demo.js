@@ -139,6 +139,8 @@ function wire(gw) {
     }
   });
   gw.addEventListener("cancelled", () => (captions.length = 0));
+  // the player ran out of audio: nothing is speaking (the caption goes with the sound)
+  gw.addEventListener("drained", () => ($("segment-text").textContent = ""));
   gw.addEventListener("report", (e) => {
     const d = e.detail;
     $("buffered").textContent = Math.round(d.bufferedMs);
@@ -200,9 +202,11 @@ function track(promise) {
       $("history").textContent =
         "recent: " +
         done
-          .map((x) => `${x.status} · TTFA ${x.ttfaMs == null ? "–" : Math.round(x.ttfaMs)} ms · ${Math.round(x.durationMs)} ms`)
+          .map((x) => `${x.status} · TTFA ${x.ttfaMs == null ? "–" : Math.round(x.ttfaMs)} ms · ${Math.round(x.playedMs)} ms`)
           .join("  |  ");
-      log(`spoken: ${Math.round(r.durationMs)} ms, status ${r.status}, ttfa ${Math.round(r.ttfaMs ?? NaN)} ms, underruns ${r.underruns}`);
+      const ttfa = r.ttfaMs == null ? "–" : `${Math.round(r.ttfaMs)} ms`;
+      const heard = r.cancelled ? `${Math.round(r.playedMs)} of ${Math.round(r.durationMs)} ms heard` : `${Math.round(r.playedMs)} ms`;
+      log(`spoken: ${heard}, status ${r.status}, ttfa ${ttfa}, underruns ${r.underruns}`);
       return r;
     })
     .catch((err) => {
@@ -328,4 +332,6 @@ if (params.get("voice")) {
   $("voice-custom").value = params.get("voice");
 }
 if (params.get("rate")) $("rate").value = params.get("rate");
+// connect on load (the pill says whether the gateway is there); audio starts on the first click
 demo.ready = true;
+connectOrReport();

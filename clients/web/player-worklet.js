@@ -5,7 +5,8 @@
 //   {type: "end"}         the audio received so far ends an utterance: when playback reaches this
 //                         point with nothing after it, go idle (not an underrun) and report "drained"
 //   {type: "cancel", id}  empty the ring at once (silence from the next render quantum); replies
-//                         {type: "cancelled", id, ...report}
+//                         {type: "cancelled", id, playedTo, ...report} (playedTo: the stream
+//                         position played up to; the skipped rest counts as consumed)
 //   {type: "truncate", keep, id}  drop what is buffered past stream position `keep` (never what
 //                         has played); what is left ends there; replies {type: "truncated", id, ...report}
 //   {type: "config", prebufferMs?, maxTargetMs?, stepMs?}
@@ -88,11 +89,13 @@ class VoicegwPlayer extends AudioWorkletProcessor {
       case "end":
         ended(this);
         break;
-      case "cancel":
+      case "cancel": {
+        const playedTo = this.read; // the stream position heard up to (what follows is skipped)
         cancelled(this);
         this.frac = 0;
-        this.port.postMessage({ ...this.report(false), type: "cancelled", id: msg.id });
+        this.port.postMessage({ ...this.report(false), type: "cancelled", id: msg.id, playedTo });
         break;
+      }
       case "truncate": {
         truncated(this, msg.keep);
         if (this.written <= this.read) this.frac = 0;

@@ -302,7 +302,8 @@ export class VoiceGateway extends EventTarget {
   /**
    * Speak a text or a token stream: every piece goes out as soon as it arrives; resolves once the
    * audio has been played to the end (or cancelled) with
-   * {utteranceId, status, ttfaMs, playStartMs, samples, durationMs, underruns, cancelled, heardText}.
+   * {utteranceId, status, ttfaMs, playStartMs, samples, durationMs (received), playedMs (heard),
+   * underruns, cancelled, heardText}.
    */
   async speak(source) {
     if (this._open) this.end().catch(() => {}); // the typed utterance goes first; this one queues behind it
@@ -318,7 +319,7 @@ export class VoiceGateway extends EventTarget {
     }
     if (this._cancelCount !== cancelsAtStart) {
       if (mine) return mine.promise; // resolves with status "cancelled"
-      return { utteranceId: null, status: "cancelled", cancelled: true, samples: 0, durationMs: 0, heardText: "" };
+      return { utteranceId: null, status: "cancelled", cancelled: true, samples: 0, durationMs: 0, playedMs: 0, heardText: "" };
     }
     return this.end();
   }
@@ -627,12 +628,14 @@ export class VoiceGateway extends EventTarget {
     switch (m.type) {
       case "truncated":
         this._pos = m.receivedSamples;
-        if (this._outage && m.bufferedMs <= 0 && this._outage.tDry == null) this._outage.tDry = performance.now();
+        if (this._outage && this._outage.owed && m.bufferedMs <= 0 && this._outage.tDry == null) {
+          this._outage.tDry = performance.now();
+        }
         break;
       case "report":
       case "cancelled": {
         this._lastReport = m;
-        if (this._outage && this._outage.tDry == null && (m.drained || m.bufferedMs <= 0)) {
+        if (this._outage && this._outage.owed && this._outage.tDry == null && (m.drained || m.bufferedMs <= 0)) {
           this._outage.tDry = performance.now();
         }
         this.stats.playedSamples = m.playedSamples;
@@ -641,6 +644,7 @@ export class VoiceGateway extends EventTarget {
         this.stats.targetMs = m.targetMs;
         this._consumed = m.consumedSamples;
         if (m.type === "cancelled") {
+          for (const u of this._utterances) if (u.playedTo == null) u.playedTo = m.playedTo;
           const w = this._cancelWaiters.get(m.id);
           if (w) {
             this._cancelWaiters.delete(m.id);
@@ -712,6 +716,15 @@ export class VoiceGateway extends EventTarget {
     }
   }
 
+  /** Samples of ``u`` the listener heard: its takes up to the stream position played (at a
+   * cancel: where the cancel cut the audio off). */
+  _playedOf(u) {
+    const to = u.playedTo ?? this._consumed;
+    let n = 0;
+    for (const p of u.plays) if (p.startPos != null) n += Math.max(0, Math.min(p.samples, to - p.startPos));
+    return n;
+  }
+
   _settle(u, extra, err) {
     if (u.settled) return;
     u.settled = true;
@@ -731,6 +744,7 @@ export class VoiceGateway extends EventTarget {
       samples: u.received,
       serverSamples: u.done ? u.sampleBase + u.done.samples : null, // the utterance's, across resumes
       durationMs: (u.received * 1000) / rate,
+      playedMs: (this._playedOf(u) * 1000) / rate,
       underruns: this.stats.underruns - u.underrunsAtStart,
       cancelled: !!extra.cancelled,
       heardText: extra.heardText,
@@ -750,7 +764,9 @@ export class VoiceGateway extends EventTarget {
       this._emit("disconnected", { code: e.code, reason: e.reason });
       for (const resolve of this._cancelReplies.splice(0)) resolve({ type: S.CANCELLED, local: true });
       this._hold = null;
-      this._outage = { tDrop: now, tUp: null, tDry: null, attempts: 0 };
+      // owed: audio was still coming (an utterance not done); only then is running dry a gap heard
+      const owed = this._utterances.some((u) => !u.settled && !u.done);
+      this._outage = { tDrop: now, tUp: null, tDry: null, attempts: 0, owed };
       this._planResume();
       this._reconnect(rec, first).catch(() => {});
       return;

@@ -395,6 +395,44 @@ async def test_demo_page_says_when_the_voice_is_refused(page: Any, gateway: Any,
     assert not page.errors, page.errors
 
 
+async def test_demo_page_state_follows_the_audio(page: Any, gateway: Any) -> None:
+    """Issue 34 item 9: the page connects on load (the pill says so before any click); the
+    "speaking:" caption is cleared once playback ends; a stop reports what was heard (the played
+    part, not everything received); a connection dropped while nothing played counts no gap heard."""
+    await page.goto(f"{gateway.url}/?prebuffer={PREBUFFER_MS}")
+    await page.wait_for_function("window.voicegwDemo && window.voicegwDemo.ready")
+    await page.wait_for_function("document.getElementById('conn').textContent === 'connected'", timeout=30_000)
+    assert await page.evaluate("window.voicegwDemo.results.length") == 0  # connected, nothing spoken
+
+    await page.fill("#text", "The first sentence is here. And here comes the second one.")
+    await page.click("#speak")
+    await page.wait_for_function("window.voicegwDemo.results.length >= 1", timeout=30_000)
+    await page.wait_for_function("document.getElementById('segment-text').textContent === ''", timeout=5_000)
+
+    await page.fill("#text", "This answer is long enough to be stopped while it plays. " * 4)
+    await page.click("#speak")
+    await page.wait_for_function("window.voicegwDemo.events.some(e => e.type == 'playing')", timeout=30_000)
+    await page.wait_for_timeout(400)
+    await page.click("#stop")
+    await page.wait_for_function("window.voicegwDemo.results.length >= 2", timeout=30_000)
+    r = await page.evaluate("window.voicegwDemo.results[1]")
+    assert r["status"] == "cancelled" and 0 < r["playedMs"] < r["durationMs"], r
+    assert f"spoken: {round(r['playedMs'])} of {round(r['durationMs'])} ms heard" in (await page.text_content("#log") or "")
+
+    # dropped while idle (the server restarts the connection: 1012), then spoken again: no gap was heard
+    await page.wait_for_timeout(300)
+    for conn in list(gateway.connections):
+        await conn.ws.close(1012, "restart")
+    await page.wait_for_function("window.voicegwDemo.events.some(e => e.type == 'reconnected')", timeout=30_000)
+    await page.wait_for_timeout(1000)
+    await page.fill("#text", "Spoken after the drop.")
+    await page.click("#speak")
+    await page.wait_for_function("window.voicegwDemo.results.length >= 3", timeout=30_000)
+    gap = await page.evaluate("window.voicegwDemo.lastOutage ? window.voicegwDemo.lastOutage.gapMs : 0")
+    assert gap == 0, gap
+    assert not page.errors, page.errors
+
+
 async def test_demo_caption_follows_the_playhead(page: Any, gateway: Any) -> None:
     """The "speaking:" caption changes when the player reaches the segment, not when the server
     starts sending it (it used to run ~2 s ahead of the audio)."""
