@@ -254,6 +254,10 @@ $("simulate").addEventListener("click", async () => {
 $("stop").addEventListener("click", async () => {
   if (!demo.gw) return;
   typed.sent = $("text").value;
+  if (typed.burst) clearTimeout(typed.burst.timer);
+  typed.burst = null;
+  typed.open = false;
+  typed.utts = [];
   const t0 = performance.now();
   const reply = await demo.gw.cancel();
   demo.lastCancel = { reply, ms: performance.now() - t0 };
@@ -261,11 +265,20 @@ $("stop").addEventListener("click", async () => {
 
 // ---- stream as I type ----------------------------------------------------------------------
 
-// What an edit does: text typed at the end streams into the open utterance. An edit of text that
-// was already sent (a deletion, typing over a selection, an insertion before the end) cannot be
-// unsaid: the open utterance ends with what was sent, and the text from the edit point on is
-// sent as a new utterance (a deletion alone sends nothing; what is typed next starts the new one).
-const typed = { sent: "", open: false, editAt: null };
+// Text typed at the end streams into the open utterance. An edit of text already sent (a
+// deletion, typing over a selection, a paste, an insertion before the end) cannot be unsaid: the
+// first keystroke of an edit burst stops the audio once (cancel), and once the edits settle
+// (EDIT_SETTLE_MS without input) the text from the first character not heard (or the edit
+// point, if earlier) to the end is spoken once, as a new utterance that typing continues.
+const EDIT_SETTLE_MS = 600;
+const typed = {
+  sent: "", // the text as last handled: sent, or waiting for its edit burst to settle
+  open: false, // an utterance is open for typed text
+  editAt: null, // where the coming input's edit starts (from beforeinput)
+  burst: null, // the edit burst in progress: {from, timer, stopped: Promise<heard offset>}
+  utts: [], // typed utterances not yet played to the end: {start, text, settled}
+};
+demo.typedLog = []; // {start, text} per utterance the typing opened (tests read it)
 
 // Where the coming edit starts (before the browser applies it): the selection's start, or the
 // character before the caret for a backspace.
@@ -287,6 +300,37 @@ function endTyped() {
   typed.open = false;
 }
 
+/** Send typed text that starts at offset ``start`` of the text box (opens an utterance if none is). */
+function sendTyped(gw, start, text) {
+  if (!text) return;
+  if (!typed.open) {
+    const entry = { start, text: "", settled: false };
+    typed.utts.push(entry);
+    demo.typedLog.push(entry);
+    typed.open = true;
+  }
+  const entry = typed.utts[typed.utts.length - 1];
+  entry.text += text;
+  const done = gw.sendText(text);
+  if (done) {
+    done.then(
+      () => (entry.settled = true),
+      () => (entry.settled = true),
+    );
+  }
+}
+
+/** Stop the audio of the typed text at an edit; resolves with the offset heard up to. */
+async function stopForEdit(gw, sent) {
+  const playing = typed.utts.filter((u) => !u.settled);
+  typed.open = false;
+  typed.utts = [];
+  if (playing.length === 0) return sent.length; // everything sent was heard
+  const reply = await gw.cancel();
+  const heard = (reply && reply.heard_text) || "";
+  return playing[0].start + heard.length;
+}
+
 $("text").addEventListener("input", async () => {
   if (!$("stream-typing").checked) return;
   // read everything about this edit before awaiting: the next keystroke may come meanwhile
@@ -295,30 +339,41 @@ $("text").addEventListener("input", async () => {
   const at = typed.editAt ?? sent.length;
   typed.editAt = null;
   typed.sent = value;
-  let delta;
-  let edited = false;
-  if (at >= sent.length && value.startsWith(sent)) {
-    delta = value.slice(sent.length);
-  } else {
-    edited = true; // an edit of sent text: the open utterance ends with what was sent
-    delta = value.slice(Math.min(at, value.length));
-  }
-  if (edited) endTyped();
   const gw = await connectOrReport();
   if (!gw) {
     typed.sent = sent; // nothing went out: retry this text with the next edit
     return;
   }
-  if (delta) {
-    gw.sendText(delta); // opens a new utterance when none is open
-    typed.open = true;
+  const appended = at >= sent.length && value.startsWith(sent);
+  if (appended && !typed.burst) {
+    sendTyped(gw, sent.length, value.slice(sent.length));
+    return;
   }
+  // an edit (or typing while an edit burst settles): stop once, speak the tail once it settles
+  if (!typed.burst) typed.burst = { from: at, timer: null, stopped: stopForEdit(gw, sent), end: false };
+  const burst = typed.burst;
+  burst.from = Math.min(burst.from, at);
+  clearTimeout(burst.timer);
+  burst.timer = setTimeout(async () => {
+    const heard = await burst.stopped;
+    if (typed.burst !== burst) return;
+    typed.burst = null;
+    const text = $("text").value;
+    const from = Math.min(burst.from, heard, text.length);
+    typed.sent = text;
+    sendTyped(gw, from, text.slice(from));
+    if (burst.end) endTyped();
+  }, EDIT_SETTLE_MS);
 });
 
 $("text").addEventListener("keydown", (e) => {
   if ($("stream-typing").checked && e.key === "Enter" && !e.shiftKey) {
     e.preventDefault();
-    if (demo.gw) demo.gw.sendText(" ");
+    if (typed.burst) {
+      typed.burst.end = true; // the settling edit speaks the text, then ends the utterance
+      return;
+    }
+    if (demo.gw && typed.open) demo.gw.sendText(" ");
     typed.sent = $("text").value;
     endTyped();
   }

@@ -269,18 +269,20 @@ export class VoiceGateway extends EventTarget {
 
   // ------------------------------------------------------------------ text in
 
-  /** Send the next piece of text (opens an utterance if none is open). */
+  /** Send the next piece of text (opens an utterance if none is open). Returns the utterance's
+   * promise (resolves like speak() once it has been spoken or cancelled). */
   sendText(text) {
-    if (!text) return;
+    if (!text) return undefined;
     let u = this._open;
     if (!u) u = this._newUtterance();
     if (u.text.length + text.length - u.sent > this.retry.maxBufferedChars) {
       this._settle(u, null, new VoicegwError("buffer_full", "text kept while it cannot be sent is over retry.maxBufferedChars"));
-      return;
+      return u.promise;
     }
     if (u.tFirstText == null) u.tFirstText = performance.now();
     u.text += text;
     this._pump(u);
+    return u.promise;
   }
 
   /** Speak what was sent so far without waiting for a sentence end. */

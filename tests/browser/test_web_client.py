@@ -448,10 +448,25 @@ async def test_demo_caption_follows_the_playhead(page: Any, gateway: Any) -> Non
     assert log[1]["at"] > 0, "the second caption waits for its audio"
 
 
-async def test_demo_stream_as_i_type_edit_starts_a_new_utterance(page: Any, gateway: Any) -> None:
-    """Typing over a selection of text already sent: the open utterance ends with what was sent,
-    and the new text (from the edit point on) goes out as a new utterance, whole (typing over a
-    selection used to drop its first character: "he weather" for "The weather")."""
+def _typed_utterances(sent: list[dict[str, Any]]) -> list[str]:
+    """The texts of the utterances the page opened, from its ``text.delta`` messages (an opening
+    delta carries an ``id``)."""
+    out: list[str] = []
+    for m in sent:
+        if m["type"] == "text.delta":
+            if "id" in m:
+                out.append("")
+            out[-1] += m["text"]
+    return out
+
+
+async def test_demo_stream_as_i_type_edits_respeak_the_tail_once(page: Any, gateway: Any) -> None:
+    """Issue 34 item 7, "stream as I type": text typed at the end streams into one utterance;
+    each burst of edits of text already sent (backspaces, typing over a selection, a paste, a
+    deleted word) stops the audio once and, once the edits settle, speaks the tail once, from
+    the edit point (or the first character not heard) to the end. The spoken text (each
+    utterance's text laid at its offset, later ones replacing what follows them) is the final
+    text; nothing is refused and no promise is left rejected."""
     await page.goto(f"{gateway.url}/?prebuffer={PREBUFFER_MS}")
     await page.wait_for_function("window.voicegwDemo && window.voicegwDemo.ready")
     await page.fill("#text", "")
@@ -465,20 +480,53 @@ async def test_demo_stream_as_i_type_edit_starts_a_new_utterance(page: Any, gate
           gw._send = (m) => { window.sentLog.push(m); return send(m); };
         }"""
     )
+    settle_ms = 600 + 400  # the page's EDIT_SETTLE_MS and some slack
     await page.focus("#text")
-    await page.keyboard.type("The weather is nice", delay=10)
-    await page.keyboard.press("Control+A")
-    await page.keyboard.type("The storm comes", delay=10)
+    await page.keyboard.type("The weather on Tuesday is sunny, with a light breeze", delay=5)
+    opened = [len(_typed_utterances(await page.evaluate("window.sentLog")))]
+
+    async def burst() -> None:
+        await page.wait_for_timeout(settle_ms)
+        opened.append(len(_typed_utterances(await page.evaluate("window.sentLog"))))
+
+    # 1. five backspaces at the end, then more typing in the same burst
+    for _ in range(5):
+        await page.keyboard.press("Backspace")
+    await page.keyboard.type("wind", delay=5)
+    await burst()
+    # 2. type over a selection ("Tuesday" -> "Friday")
+    await page.evaluate("""() => { const el = document.getElementById('text');
+                             const i = el.value.indexOf('Tuesday'); el.setSelectionRange(i, i + 7); }""")
+    await page.keyboard.type("Friday", delay=5)
+    await burst()
+    # 3. a paste in the middle
+    await page.evaluate("""() => { const el = document.getElementById('text');
+                             const i = el.value.indexOf(' is '); el.setSelectionRange(i, i); }""")
+    await page.keyboard.insert_text(" morning")
+    await burst()
+    # 4. delete a word (Ctrl+Backspace after "weather")
+    await page.evaluate("""() => { const el = document.getElementById('text');
+                             const i = el.value.indexOf('weather') + 7; el.setSelectionRange(i, i); }""")
+    await page.keyboard.press("Control+Backspace")
+    await burst()
+    await page.keyboard.press("End")
+    await page.keyboard.type(" today.", delay=5)
     await page.keyboard.press("Enter")
-    sent = await page.evaluate("window.sentLog")
-    utterances: list[str] = []
-    for m in sent:
-        if m["type"] == "text.delta":
-            if "id" in m:
-                utterances.append("")
-            utterances[-1] += m["text"]
-    assert utterances[0] == "The weather is nice", sent
-    assert [u.strip() for u in utterances[1:]] == ["The storm comes"], sent
+
+    final = await page.input_value("#text")
+    log = await page.evaluate("window.voicegwDemo.typedLog")
+    spoken = ""
+    for u in log:
+        spoken = spoken[: u["start"]] + u["text"]
+    assert spoken.rstrip() == final.rstrip(), (spoken, final, log)
+    # one utterance typed, then one re-spoken tail per edit burst
+    assert opened == [1, 2, 3, 4, 5], (opened, log)
+    wire = _typed_utterances(await page.evaluate("window.sentLog"))
+    assert [w.rstrip() for w in wire] == [u["text"].rstrip() for u in log], (wire, log)
+    assert "Friday" in log[2]["text"] and "Tuesday" not in log[2]["text"], log
+    errors = await page.evaluate("window.voicegwDemo.events.filter(e => e.type == 'error').map(e => e.detail.code)")
+    assert not errors, errors
+    assert not page.errors, page.errors
 
 
 async def test_overload_is_retried_after_the_hinted_wait(browser: Any, speech_engine: Any) -> None:
