@@ -9,6 +9,7 @@ import contextlib
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 import urllib.request
@@ -19,6 +20,7 @@ import orjson
 import pytest
 
 from tests.groupdiag import log_tail, spy_group
+from tests.reliability.kill9 import kill9_and_check, restart_after_kill9
 from tests.transcript import Transcript, fast_client, quiet_client
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,8 +160,12 @@ def _cmdline(pid: int) -> str:
 
 
 async def test_gateway_processes_share_one_engine_core_and_the_port(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Two gateway processes on one engine core and one decoder: both serve the port; the decoder
+    killed mid-answer is replaced; ``kill -9`` of the launcher leaves no process, and a restart on
+    the port is healthy and stops gracefully."""
     port = _free_port()
     proc = await _start(tiny_model_dir, port, tmp_path / "serve.log")
+    second: subprocess.Popen[bytes] | None = None
     try:
         # the kernel spreads connections over both processes; /healthz names the one answering
         pids = {int(h["pid"]) for h in await asyncio.gather(*(asyncio.to_thread(_health, port) for _ in range(24))) if h}
@@ -213,15 +219,26 @@ async def test_gateway_processes_share_one_engine_core_and_the_port(tiny_model_d
         for c, _ in talking:
             with contextlib.suppress(Exception):
                 await c.close()
+        # kill -9 of the launcher: every process of the group (the gateway processes, which would
+        # keep the port, the engine core, its worker, the decoder, the resource tracker) is gone
+        # within 2 s, and a new group on the same port comes up healthy (issue 33)
+        files = await asyncio.to_thread(kill9_and_check, proc.pid, 6)
+        await proc.wait()
+        second = await asyncio.to_thread(restart_after_kill9, tiny_model_dir, port, 2, tmp_path, proc.pid, files)
+        paths = _listening_ipc_paths([p for p in _children(second.pid) if "voicegw-gateway-" in _cmdline(p)])
+        assert len(paths) == 4 and all(map(_exists, paths)), paths
         # graceful stop: SIGTERM to the launcher drains both gateways, then the engine core stops
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 60) == 0
-        assert _text(tmp_path / "serve.log").count("gateway stopped") == 2
+        second.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(second.wait, 60) == 0
+        assert _text(tmp_path / "serve2.log").count("gateway stopped") == 2
         assert not any(map(_exists, paths)), paths  # removed when the group ends
     finally:
         _kill_group(proc.pid)  # whatever is left of the group (none when it stopped cleanly)
         if proc.returncode is None:
             await proc.wait()
+        if second is not None:
+            _kill_group(second.pid)
+            second.wait()
 
 
 async def test_the_group_heals_when_one_of_its_engine_cores_dies(tiny_model_dir: Path, tmp_path: Path) -> None:
