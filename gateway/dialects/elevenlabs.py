@@ -357,10 +357,11 @@ class ElevenLabsMultiTranslator:
     * ``{"text": " ", "context_id", "voice_settings"?}`` opens a context; text goes to its
       utterance (``text.delta``; text for another context first ends the open one);
       ``flush: true`` -> ``text.flush``; ``{"text": "", ...}`` is a keep-alive (see below).
-    * ``close_context`` after a ``flush`` (the end of a turn, as Pipecat and LiveKit send it):
-      ``text.end``, and ``{"isFinal": true, "contextId"}`` once its audio is all sent. Otherwise
-      (an interruption, or a second ``close_context``): a barge-in of that context only (native
-      ``cancel {utterance_id}``), its audio still queued dropped, ``isFinal`` right after.
+    * ``close_context`` right after a flush with no text (the end of a turn, as Pipecat and LiveKit
+      send it): ``text.end``, and ``{"isFinal": true, "contextId"}`` once its audio is all sent.
+      Otherwise (an interruption: LiveKit's last message of an interrupted stream is text with a
+      flush; a second ``close_context``): a barge-in of that context only (native ``cancel
+      {utterance_id}``), its audio still queued dropped, ``isFinal`` right after.
     * ``close_socket``: the connection closes (1000); the session's work stops.
     * Audio: ``{"audio", "isFinal": false, "contextId", "alignment": null, "normalizedAlignment":
       null}``; after each segment its alignment (``audio: ""``); errors ``{"error", "message",
@@ -450,7 +451,9 @@ class ElevenLabsMultiTranslator:
             self.open = ctx
             ctx.flushed = False
         if msg.get("flush") is True:
-            ctx.flushed = True
+            # the end of a turn is a flush with no text (Pipecat: flush alone; LiveKit: {"text":
+            # "", "flush": true}); a flush with text, then close_context, is LiveKit interrupting
+            ctx.flushed = not (text and text.strip())
             if self.open is ctx:
                 step.to_session.append({"type": P.ClientType.TEXT_FLUSH.value})
         if not step.to_session:  # a keep-alive (``{"text": ""}``) keeps the session from idling

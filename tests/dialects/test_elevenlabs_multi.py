@@ -124,6 +124,37 @@ async def test_context_limit_and_voice_settings_in_any_message(fake_engine: Fake
         assert ws.close_code == 1000
 
 
+async def test_text_with_flush_then_close_context_is_livekits_interruption(make_gateway: GatewayFactory) -> None:
+    """LiveKit's interrupted stream: its last message is sentence text with ``flush``, then
+    ``close_context`` (its normal end adds ``{"text": "", "flush": true}`` before closing). The
+    context is barged in at once, so the next context's first audio does not wait for the rest
+    of the interrupted one (issue 35 item 5)."""
+    engine = FakeSpeechEngine(speed=1.0)  # real time: the long turn is still being generated
+    async with make_gateway(engine) as server, \
+            connect(_url(server), additional_headers={"xi-api-key": "xi-test"}) as ws:
+        got: dict[str, bytearray] = {}
+        await _send(ws, text=" ", voice_settings={}, context_id="a")
+        await _send(ws, text="This answer is long and goes on and on. " * 8, context_id="a", flush=True)
+        while not got.get("a"):
+            msg = orjson.loads(await asyncio.wait_for(ws.recv(), 10))
+            if msg.get("audio"):
+                got.setdefault(msg["contextId"], bytearray()).extend(base64.b64decode(msg["audio"]))
+        await _send(ws, context_id="a", close_context=True)  # the user barged in
+        t0 = asyncio.get_running_loop().time()
+        await _send(ws, text=" ", voice_settings={}, context_id="b")
+        await _send(ws, text="The next answer. ", context_id="b", flush=True)
+        await _send(ws, text="", context_id="b", flush=True)
+        await _send(ws, context_id="b", close_context=True)
+        first_b: float | None = None
+        while True:
+            msg = orjson.loads(await asyncio.wait_for(ws.recv(), 10))
+            if msg.get("audio") and msg["contextId"] == "b" and first_b is None:
+                first_b = asyncio.get_running_loop().time() - t0
+            if msg.get("isFinal") and msg.get("contextId") == "b":
+                break
+        assert first_b is not None and first_b < 1.0, first_b  # not after the rest of "a" (~20 s)
+
+
 async def test_keep_alives_hold_the_socket_past_inactivity_timeout(fake_engine: FakeSpeechEngine,
                                                                    make_gateway: GatewayFactory) -> None:
     url = f"ws://127.0.0.1:{{}}/v1/text-to-speech/{RACHEL}/multi-stream-input?output_format=pcm_16000&inactivity_timeout=1"
@@ -132,7 +163,8 @@ async def test_keep_alives_hold_the_socket_past_inactivity_timeout(fake_engine: 
         for _ in range(6):  # 2.4 s of keep-alives, as Pipecat sends them between turns
             await asyncio.sleep(0.4)
             await _send(ws, text="", context_id="a")
-        await _send(ws, text="Still here. ", context_id="a", flush=True)
+        await _send(ws, text="Still here. ", context_id="a")
+        await _send(ws, context_id="a", flush=True)
         await _send(ws, context_id="a", close_context=True)
         got: dict[str, bytearray] = {}
         seen = await _until_final(ws, "a", got, within_s=10)

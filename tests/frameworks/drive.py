@@ -237,6 +237,30 @@ async def livekit_elevenlabs_stream(a: argparse.Namespace) -> Audio:
     return await _lk(_lk_elevenlabs(a), streaming=True)
 
 
+async def livekit_elevenlabs_interrupted_then_next(a: argparse.Namespace) -> Audio:
+    """A long answer interrupted once its first audio came (the stream closed, as an agent does on
+    barge-in), then the next answer: its audio, timed from its first text."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http:
+        tts = _lk_elevenlabs(a)(http)
+        try:
+            first = tts.stream()
+            first.push_text("This long answer is interrupted by the user before it ends. " * 8)
+            first.flush()
+            await asyncio.wait_for(first.__anext__(), TIMEOUT_S)
+            await first.aclose()
+            stream = tts.stream()
+            collected = asyncio.ensure_future(_lk_collect(stream))  # its clock starts here
+            for c in CHUNKS:
+                stream.push_text(c)
+            stream.flush()
+            stream.end_input()
+            return await asyncio.wait_for(collected, TIMEOUT_S)
+        finally:
+            await tts.aclose()
+
+
 async def livekit_deepgram_synthesize(a: argparse.Namespace) -> Audio:
     return await _lk(_lk_deepgram(a), streaming=False)
 
@@ -388,6 +412,8 @@ CASES: list[tuple[str, str, str, Callable[[argparse.Namespace], Awaitable[Audio]
     ("livekit-plugins-elevenlabs", "livekit-agents", "elevenlabs.TTS synthesize()", livekit_elevenlabs_synthesize),
     ("livekit-plugins-elevenlabs", "livekit-agents", "elevenlabs.TTS stream() (multi-context WebSocket)",
      livekit_elevenlabs_stream),
+    ("livekit-plugins-elevenlabs", "livekit-agents", "elevenlabs.TTS stream() interrupted, then the next answer",
+     livekit_elevenlabs_interrupted_then_next),
     ("livekit-plugins-deepgram", "livekit-agents", "deepgram.TTS synthesize()", livekit_deepgram_synthesize),
     ("livekit-plugins-deepgram", "livekit-agents", "deepgram.TTS stream() (WebSocket)", livekit_deepgram_stream),
     ("openai", "openai", "audio.speech.with_streaming_response.create (pcm)", openai_speech),
