@@ -216,8 +216,15 @@ def balancer(request: pytest.FixtureRequest, replicas: list[Replica],
 
 
 def _back_in_rotation(balancer: Balancer) -> None:
-    # HAProxy: two passing health checks (rise 2, inter 500 ms); nginx: fail_timeout 10 s
-    time.sleep(1.5 if balancer.kind == "haproxy" else 10.5)
+    """HAProxy: two passing health checks (rise 2, inter 500 ms). nginx (passive checks only):
+    a reload (SIGHUP) starts workers with no failure marks, rather than waiting out fail_timeout
+    (10 s); the old workers finish the connections they hold."""
+    if balancer.kind == "haproxy":
+        time.sleep(1.5)
+        return
+    assert balancer.proc is not None
+    os.kill(balancer.proc.pid, signal.SIGHUP)
+    time.sleep(0.5)
 
 
 @pytest.fixture
