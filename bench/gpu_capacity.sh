@@ -15,6 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 RES=/tmp/res-cap
+rm -rf "$RES"  # a call before this one on the same machine left its files there
 mkdir -p "$OUT" "$RES"
 T0=$(date +%s)
 left() { echo $(( ${BUDGET_S:-570} - ($(date +%s) - T0) )); }
@@ -61,7 +62,7 @@ if [ -n "${ALT_ARGS:-}" ] && [ "$(left)" -gt 150 ]; then
 fi
 kill $DMON 2>/dev/null
 kill $(jobs -p) 2>/dev/null  # a spy whose SPY_AT never matched
-for f in "$RES"/spy-*.txt; do
+for f in "$RES"/spy-core-*.txt; do  # the engine core's busy-loop split (bench.spy_share)
   [ -f "$f" ] || continue
   python3 -m bench.spy_share "$f" > "${f%.txt}.share" 2>&1
 done
