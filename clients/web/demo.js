@@ -274,20 +274,18 @@ const EDIT_SETTLE_MS = 600;
 const typed = {
   sent: "", // the text as last handled: sent, or waiting for its edit burst to settle
   open: false, // an utterance is open for typed text
-  editAt: null, // where the coming input's edit starts (from beforeinput)
   burst: null, // the edit burst in progress: {from, timer, stopped: Promise<heard offset>}
   utts: [], // typed utterances not yet played to the end: {start, text, settled}
 };
 demo.typedLog = []; // {start, text} per utterance the typing opened (tests read it)
 
-// Where the coming edit starts (before the browser applies it): the selection's start, or the
-// character before the caret for a backspace.
-$("text").addEventListener("beforeinput", (e) => {
-  const el = $("text");
-  let at = Math.min(el.selectionStart, el.selectionEnd);
-  if (el.selectionStart === el.selectionEnd && e.inputType === "deleteContentBackward") at = Math.max(0, at - 1);
-  typed.editAt = at;
-});
+/** Where ``value`` first differs from ``sent`` (the edit point; ``sent.length`` when text was added). */
+function editPoint(sent, value) {
+  const n = Math.min(sent.length, value.length);
+  let i = 0;
+  while (i < n && sent.charCodeAt(i) === value.charCodeAt(i)) i += 1;
+  return i;
+}
 
 $("stream-typing").addEventListener("change", async () => {
   typed.sent = $("text").value;
@@ -336,8 +334,7 @@ $("text").addEventListener("input", async () => {
   // read everything about this edit before awaiting: the next keystroke may come meanwhile
   const value = $("text").value;
   const sent = typed.sent;
-  const at = typed.editAt ?? sent.length;
-  typed.editAt = null;
+  const at = editPoint(sent, value);
   typed.sent = value;
   const gw = await connectOrReport();
   if (!gw) {

@@ -480,13 +480,17 @@ async def test_demo_stream_as_i_type_edits_respeak_the_tail_once(page: Any, gate
           gw._send = (m) => { window.sentLog.push(m); return send(m); };
         }"""
     )
-    settle_ms = 600 + 400  # the page's EDIT_SETTLE_MS and some slack
     await page.focus("#text")
     await page.keyboard.type("The weather on Tuesday is sunny, with a light breeze", delay=5)
     opened = [len(_typed_utterances(await page.evaluate("window.sentLog")))]
 
     async def burst() -> None:
-        await page.wait_for_timeout(settle_ms)
+        """The burst's tail goes out once the edits settle (the page's EDIT_SETTLE_MS, 600 ms, then
+        its cancel's reply): wait for one more utterance, then make sure no second one follows."""
+        want = opened[-1] + 1
+        await page.wait_for_function(
+            f"window.voicegwDemo.typedLog.length >= {want}", timeout=15_000)
+        await page.wait_for_timeout(800)
         opened.append(len(_typed_utterances(await page.evaluate("window.sentLog"))))
 
     # 1. five backspaces at the end, then more typing in the same burst
