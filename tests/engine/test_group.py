@@ -8,37 +8,20 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
 
 from tests.groupdiag import log_tail, spy_group
-from tests.reliability.kill9 import kill9_and_check, restart_after_kill9
+from tests.reliability.kill9 import free_port, health, kill9_and_check, restart_after_kill9
 from tests.transcript import Transcript, fast_client, quiet_client
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(os.environ.get("VOICEGW_TEST_ENGINE", "vllm") != "vllm", reason="vLLM engine tests")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _health(port: int) -> dict[str, Any] | None:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
-            return dict(orjson.loads(r.read()))
-    except Exception:
-        return None
 
 
 async def _start(model_dir: Path, port: int, log: Path, cores: int = 1) -> asyncio.subprocess.Process:
@@ -62,7 +45,7 @@ async def _start(model_dir: Path, port: int, log: Path, cores: int = 1) -> async
             if proc.returncode is not None:
                 raise AssertionError(f"serve exited {proc.returncode}:\n{log_tail(log)}")
             if _text(log).count("gateway listening on") >= 2:
-                h = await asyncio.to_thread(_health, port)
+                h = await asyncio.to_thread(health, port)
                 if h is not None:
                     pids.add(int(h["pid"]))
                     if len(pids) >= 2:
@@ -90,6 +73,21 @@ async def _speak(port: int, text: str) -> Transcript:
     return t
 
 
+async def _mid_answer(port: int, n: int, first_voice: int) -> list[tuple[Any, Transcript]]:
+    """``n`` sessions (real-time paced, no playback reports) each receiving a long answer."""
+    talking = []
+    for i in range(n):
+        t = Transcript()
+        c = quiet_client(f"ws://127.0.0.1:{port}/ws", t, voice=first_voice + i)
+        await c.connect()
+        await c.send_text(f"Session {i} tells a long story. " * 6)
+        await c.end()
+        talking.append((c, t))
+    for _, t in talking:
+        await t.wait_audio(within_s=90)
+    return talking
+
+
 async def _fate(t: Transcript) -> tuple[str, int | None]:
     """("ok", None) for an answer that finished, else (error code, close code)."""
     with contextlib.suppress(Exception):
@@ -102,13 +100,13 @@ async def _fate(t: Transcript) -> tuple[str, int | None]:
     return str(t.of_type("utterance.done")[0]["status"]), None
 
 
-async def _all_healthy(port: int, processes: int, within_s: float) -> bool:
+async def _allhealthy(port: int, processes: int, within_s: float) -> bool:
     """Whether ``/healthz`` answered healthy from ``processes`` distinct gateway processes within
     ``within_s`` (the kernel spreads the connections)."""
     pids: set[int] = set()
     deadline = time.monotonic() + within_s
     while len(pids) < processes and time.monotonic() < deadline:
-        h = await asyncio.to_thread(_health, port)
+        h = await asyncio.to_thread(health, port)
         if h is not None and h.get("healthy"):
             pids.add(int(h["pid"]))
         await asyncio.sleep(0.2)
@@ -163,12 +161,12 @@ async def test_gateway_processes_share_one_engine_core_and_the_port(tiny_model_d
     """Two gateway processes on one engine core and one decoder: both serve the port; the decoder
     killed mid-answer is replaced; ``kill -9`` of the launcher leaves no process, and a restart on
     the port is healthy and stops gracefully."""
-    port = _free_port()
+    port = free_port()
     proc = await _start(tiny_model_dir, port, tmp_path / "serve.log")
     second: subprocess.Popen[bytes] | None = None
     try:
         # the kernel spreads connections over both processes; /healthz names the one answering
-        pids = {int(h["pid"]) for h in await asyncio.gather(*(asyncio.to_thread(_health, port) for _ in range(24))) if h}
+        pids = {int(h["pid"]) for h in await asyncio.gather(*(asyncio.to_thread(health, port) for _ in range(24))) if h}
         assert len(pids) == 2
         texts = [f"Session {i} says a short sentence. And then another one." for i in range(6)]
         transcripts = await asyncio.gather(*(_speak(port, t) for t in texts))
@@ -191,23 +189,14 @@ async def test_gateway_processes_share_one_engine_core_and_the_port(tiny_model_d
         # the decoder process dies mid-answer: the sessions on it fail (engine_unavailable, 1011),
         # the launcher starts a new one, both gateway processes attach (healthy again), new sessions speak
         decoder = next(p for p in _children(proc.pid) if "engine.decoder.worker" in _cmdline(p))
-        talking = []
-        for i in range(4):
-            t = Transcript()
-            c = quiet_client(f"ws://127.0.0.1:{port}/ws", t, voice=300 + i)
-            await c.connect()
-            await c.send_text(f"Session {i} tells a long story. " * 6)
-            await c.end()
-            talking.append((c, t))
-        for _, t in talking:
-            await t.wait_audio(within_s=90)
+        talking = await _mid_answer(port, 4, first_voice=300)
         t_kill = time.monotonic()
         os.kill(decoder, signal.SIGKILL)
         fates = await asyncio.gather(*(_fate(t) for _, t in talking))
         assert all(f in (("ok", None), ("engine_unavailable", 1011)) for f in fates), fates
         assert ("engine_unavailable", 1011) in fates, fates  # answers were still being decoded
-        healthy = await _all_healthy(port, 2, within_s=180)
-        t_healthy = time.monotonic() - t_kill
+        healthy = await _allhealthy(port, 2, within_s=180)
+        thealthy = time.monotonic() - t_kill
         assert healthy, _text(tmp_path / "serve.log")[-3000:]
         assert "decoder process 0 replaced" in _text(tmp_path / "serve.log")
         assert proc.returncode is None
@@ -215,7 +204,7 @@ async def test_gateway_processes_share_one_engine_core_and_the_port(tiny_model_d
         assert len(new) == 1 and new[0] != decoder, new
         for t in await asyncio.gather(*(_speak(port, f"After the decoder crash session {i} speaks.") for i in range(4))):
             assert t.samples > 0 and not t.errors()
-        print(f"[group decoder heal] healthy {t_healthy:.1f} s after the kill", flush=True)
+        print(f"[group decoder heal] healthy {thealthy:.1f} s after the kill", flush=True)
         for c, _ in talking:
             with contextlib.suppress(Exception):
                 await c.close()
@@ -246,7 +235,7 @@ async def test_the_group_heals_when_one_of_its_engine_cores_dies(tiny_model_dir:
     SIGKILL of one engine core mid-answer: the sessions on it get ``engine_unavailable`` and close
     1011, the others finish; the launcher starts a new engine core, its gateway process reconnects
     (``/healthz`` 503 meanwhile, then 200 from both processes) and new sessions speak."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "serve.log"
     proc = await _start(tiny_model_dir, port, log, cores=2)
     try:
@@ -257,16 +246,7 @@ async def test_the_group_heals_when_one_of_its_engine_cores_dies(tiny_model_dir:
         assert len(gateways) == 2 and len(decoders) == 2 and len(cores) == 2, [_cmdline(p) for p in kids]
         assert "2 gateway processes on 2 engine core(s)" in _text(log)
         # sessions mid-answer on both gateway processes (the kernel spreads the connections)
-        talking = []
-        for i in range(6):
-            t = Transcript()
-            c = quiet_client(f"ws://127.0.0.1:{port}/ws", t, voice=100 + i)
-            await c.connect()
-            await c.send_text(f"Session {i} tells a long story. " * 6)
-            await c.end()
-            talking.append((c, t))
-        for _, t in talking:
-            await t.wait_audio(within_s=90)
+        talking = await _mid_answer(port, 6, first_voice=100)
         t_kill = time.monotonic()
         os.kill(cores[1], signal.SIGKILL)
 
@@ -275,15 +255,15 @@ async def test_the_group_heals_when_one_of_its_engine_cores_dies(tiny_model_dir:
             assert f in (("ok", None), ("engine_unavailable", 1011)), fates
         assert ("engine_unavailable", 1011) in fates or all(f == ("ok", None) for f in fates), fates
         # healthy again: both gateway processes answer 200, the launcher still runs
-        healthy = await _all_healthy(port, 2, within_s=240)
-        t_healthy = time.monotonic() - t_kill
+        healthy = await _allhealthy(port, 2, within_s=240)
+        thealthy = time.monotonic() - t_kill
         assert healthy, _text(log)[-3000:]
         assert proc.returncode is None
         assert "engine core 1 replaced" in _text(log)
         t_new = time.monotonic()
         for t in await asyncio.gather(*(_speak(port, f"After the crash session {i} speaks.") for i in range(4))):
             assert t.samples > 0 and not t.errors()
-        print(f"[group heal] fates {fates}; healthy {t_healthy:.1f} s after the kill; "
+        print(f"[group heal] fates {fates}; healthy {thealthy:.1f} s after the kill; "
               f"4 new sessions in {time.monotonic() - t_new:.1f} s", flush=True)
         for c, _ in talking:
             with contextlib.suppress(Exception):
@@ -359,7 +339,7 @@ def test_a_failed_group_start_leaves_no_shared_memory_files(tiny_model_dir: Path
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the launcher sets vLLM's variables
     monkeypatch.setattr(group, "launch_core", refuse)
     cfg = load_config(env={}, overrides={
-        "gateway.processes": 2, "gateway.port": _free_port(), "engine.backend": "vllm",
+        "gateway.processes": 2, "gateway.port": free_port(), "engine.backend": "vllm",
         "engine.model_dir": str(tiny_model_dir), "engine.device": "cpu", "engine.max_num_seqs": 8,
         "engine.max_model_len": 256, "engine.kv_cache_gib": 0.05})
     old = before()

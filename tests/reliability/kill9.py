@@ -34,7 +34,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _health(port: int) -> dict[str, Any] | None:
+def health(port: int) -> dict[str, Any] | None:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
             return dict(orjson.loads(r.read()))
@@ -61,7 +61,7 @@ def start_serve(model_dir: Path, port: int, processes: int, log: Path, timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise AssertionError(f"serve exited {proc.returncode}:\n{log_tail(log)}")
-            h = _health(port)
+            h = health(port)
             if h is not None and h.get("healthy"):
                 pids.add(int(h["pid"]))
                 if len(pids) >= processes:

@@ -204,17 +204,13 @@ async def test_speaker_bomb_does_not_stall_other_sessions(vllm_parts: tuple[Any,
         assert worst < 0.25, worst
 
 
-async def _crash_scenario(server: Any, speech: Any, code: Any) -> dict[str, Any]:
-    """Three sessions mid-stream and one idle; SIGKILL the engine core. Checks what must hold
-    whatever recovers the engine; returns what the caller needs to go on.
-
-    A session is affected when vLLM still tracks one of its requests at the kill (a segment whose
-    generation already ended in vLLM is delivered from the buffer and survives): each affected
-    session must get ``engine_unavailable`` and close 1011 within 1 s; the others stay open."""
+async def _streaming_and_idle(server: Any, first_voice: int) -> tuple[list[tuple[Client, Transcript]], Client]:
+    """Three sessions receiving a long answer (no playback reports: real-time pacing, they stay
+    busy) and one idle session."""
     streaming: list[tuple[Client, Transcript]] = []
     for i in range(3):
         t = Transcript()
-        c = quiet_client(server.ws_url, t, voice=100 + i)  # no playback reports: real-time pacing, stays busy
+        c = quiet_client(server.ws_url, t, voice=first_voice + i)
         await c.connect()
         await c.send_text(TEXT + " " + TEXT)
         streaming.append((c, t))
@@ -222,6 +218,17 @@ async def _crash_scenario(server: Any, speech: Any, code: Any) -> dict[str, Any]
     await idle.connect()
     for _, t in streaming:
         await t.wait_audio(within_s=60)
+    return streaming, idle
+
+
+async def _crash_scenario(server: Any, speech: Any, code: Any) -> dict[str, Any]:
+    """Three sessions mid-stream and one idle; SIGKILL the engine core. Checks what must hold
+    whatever recovers the engine; returns what the caller needs to go on.
+
+    A session is affected when vLLM still tracks one of its requests at the kill (a segment whose
+    generation already ended in vLLM is delivered from the buffer and survives): each affected
+    session must get ``engine_unavailable`` and close 1011 within 1 s; the others stay open."""
+    streaming, idle = await _streaming_and_idle(server, first_voice=100)
     pids = engine_core_pids(code)
     assert len(pids) == 1, pids
     live = vllm_request_ids(code)
@@ -335,17 +342,7 @@ async def test_decoder_process_killed_mid_stream_then_recovery(vllm_parts: tuple
     decoder process by itself, ``/healthz`` is 200 again, and an idle session and a new one speak."""
     speech, _ = vllm_parts
     async with make_gateway(speech, limits={"max_sessions": 16}) as server:
-        streaming: list[tuple[Client, Transcript]] = []
-        for i in range(3):
-            t = Transcript()
-            c = quiet_client(server.ws_url, t, voice=200 + i)
-            await c.connect()
-            await c.send_text(TEXT + " " + TEXT)
-            streaming.append((c, t))
-        idle = fast_client(server.ws_url)
-        await idle.connect()
-        for _, t in streaming:
-            await t.wait_audio(within_s=60)
+        streaming, idle = await _streaming_and_idle(server, first_voice=200)
         old_pid = speech._decoder._proc.pid
         t_kill = time.monotonic()
         os.kill(old_pid, signal.SIGKILL)
