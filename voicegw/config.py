@@ -65,17 +65,24 @@ GPU_DEFAULTS: dict[str, Any] = {
     "engine.max_num_batched_tokens": 8192,
     "engine.decoder_max_batch": 256,
     "engine.admit_interval_ms": 50.0,
+    "gateway.engine_cores": 2,
 }
 """The defaults that differ when ``voicegw serve`` runs ChatTTS on vLLM on a CUDA GPU (the field
 defaults are the CPU ones): compiled with CUDA graphs, hundreds of sequences per batch, the decoder's
-largest bucket 256 rows, arrivals under load admitted on a 50 ms tick (the GPU figures of
-bench/RESULTS.md are measured with these)."""
+largest bucket 256 rows, arrivals under load admitted on a 50 ms tick, two engine cores sharing the
+GPU (the GPU figures of bench/RESULTS.md are measured with these). ``gateway.engine_cores`` stays 1
+where the group cannot be split in two: ``gateway.port`` 0 (one process) or an explicit odd
+``gateway.processes``."""
 
 
 def on_cuda(cfg: Config) -> Config:
-    """``cfg`` with ``GPU_DEFAULTS`` for every key not given explicitly (``Config.explicit``)."""
+    """``cfg`` with ``GPU_DEFAULTS`` for every key not given explicitly (``Config.explicit``), but
+    ``gateway.engine_cores`` only where ``gateway.processes`` can be a multiple of it."""
     changed: dict[str, dict[str, Any]] = {}
     for key, value in GPU_DEFAULTS.items():
+        if key == "gateway.engine_cores" and (
+                cfg.gateway.port == 0 or ("gateway.processes" in cfg.explicit and cfg.gateway.processes % value)):
+            continue
         if key not in cfg.explicit:
             section, _, name = key.rpartition(".")
             changed.setdefault(section, {})[name] = value

@@ -305,7 +305,13 @@ def test_automatic_settings_resolve_per_platform(tiny_model_dir: Path) -> None:
     for key, value in GPU_DEFAULTS.items():
         section, _, name = key.partition(".")
         assert getattr(getattr(gpu, section), name) == value, key
-    assert resolve_platform(cfg({"port": 0}, {}), cuda=True).gateway.processes == 1
+    single = resolve_platform(cfg({"port": 0}, {}), cuda=True).gateway
+    assert (single.processes, single.engine_cores) == (1, 1)
+    # an explicit odd process count keeps one engine core; an even one is split over two
+    odd = load_config(overrides={"gateway.processes": "3"})
+    assert (resolve_platform(odd, cuda=True).gateway.engine_cores, resolve_platform(odd, cuda=True).gateway.processes) == (1, 3)
+    even = resolve_platform(load_config(overrides={"gateway.processes": "6"}), cuda=True).gateway
+    assert (even.processes, even.engine_cores) == (6, 2)
     # a key given in TOML, environment or CLI is never replaced, even when it equals the CPU default
     mine = load_config(env={"VOICEGW_ENGINE_MAX_NUM_SEQS": "64"}, overrides={"engine.enforce_eager": "true"})
     assert mine.explicit == {"engine.max_num_seqs", "engine.enforce_eager"}
