@@ -4,7 +4,7 @@
 #   1. host setup (bench/gpu_host_setup.sh);
 #   2. the engine floor (bench.engine_bench through bench.gpu_e2e's floor phase) at FLOOR_C streams;
 #   3. `voicegw serve` with its own defaults under the conversation workload (bench.gpu_e2e e2e phase,
-#      levels SESSIONS, closed loop THROUGHPUT sessions), py-spy of the engine core, the decoder and
+#      levels SESSIONS, closed loop THROUGHPUT sessions), py-spy of every engine core, the newest decoder and
 #      gateway process 0 during the level whose log line matches SPY_AT;
 #   4. when ALT_ARGS is set ("SECTION.FIELD=VALUE ..."): a second gateway with those settings on the
 #      same levels (ALT_SESSIONS, default SESSIONS), for a same-call A/B, py-spied the same way
@@ -33,9 +33,11 @@ DMON=$!
 spy_during() {  # $1: log to watch, $2: tag; py-spy (non-blocking) of core, decoder, gateway 0
   ( for _ in $(seq 900); do grep -q "${SPY_AT:-steady 400 sessions}" "$1" 2>/dev/null && break; sleep 1; done
     sleep "${SPY_DELAY:-6}"
-    CORE=$(pgrep -n -f "EngineCore"); DEC=$(pgrep -n -f "voicegw-decoder|decoder.worker")
+    DEC=$(pgrep -n -f "voicegw-decoder|decoder.worker")
     GW=$(pgrep -f "voicegw-gateway-0" | head -1); [ -n "$GW" ] || GW=$(pgrep -n -f "voicegw.cli serve")
-    [ -n "$CORE" ] && timeout 20 "$SPY" record --nonblocking -p "$CORE" -d 10 -r 50 --format raw -o "$RES/spy-core-$2.txt" > /dev/null 2>&1 &
+    for CORE in $(pgrep -f "EngineCore"); do  # every engine core (gateway.engine_cores)
+      timeout 20 "$SPY" record --nonblocking -p "$CORE" -d 10 -r 50 --format raw -o "$RES/spy-core-$2-$CORE.txt" > /dev/null 2>&1 &
+    done
     [ -n "$DEC" ] && timeout 20 "$SPY" record --nonblocking -p "$DEC" -d 10 -r 50 --format raw -o "$RES/spy-decoder-$2.txt" > /dev/null 2>&1 &
     [ -n "$GW" ] && timeout 20 "$SPY" record --nonblocking -p "$GW" -d 10 -r 50 --format raw -o "$RES/spy-gateway-$2.txt" > /dev/null 2>&1
     wait ) > /dev/null 2>&1 &  # its own output: a spy still waiting must not hold the call's stdout
