@@ -70,7 +70,7 @@ GPU_DEFAULTS: dict[str, Any] = {
 """The defaults that differ when ``voicegw serve`` runs ChatTTS on vLLM on a CUDA GPU (the field
 defaults are the CPU ones): compiled with CUDA graphs, hundreds of sequences per batch, the decoder's
 largest bucket 256 rows, arrivals under load admitted on a 50 ms tick, two engine cores sharing the
-GPU (the GPU figures of bench/RESULTS.md are measured with these). ``gateway.engine_cores`` stays 1
+GPU (bench/RESULTS.md says which of these each GPU figure was measured with). ``gateway.engine_cores`` stays 1
 where the group cannot be split in two: ``gateway.port`` 0 (one process) or an explicit odd
 ``gateway.processes``."""
 
