@@ -180,7 +180,7 @@ class SegmenterConfig(Checked):
     """First segment: shortest text cut at a clause boundary."""
     first_max_units: int = 80
     """First segment: without any boundary, cut at a space once this long."""
-    first_wait_ms: float = 350.0
+    first_wait_ms: float = 200.0
     """First segment: after this long since the first character, send complete words."""
     min_units: int = 24
     """Later segments: shortest text cut at a sentence boundary (unless idle or forced)."""
@@ -188,6 +188,17 @@ class SegmenterConfig(Checked):
     """Any segment: longest text."""
     idle_wait_ms: float = 400.0
     """Later segments: when nothing is in flight, text that waited this long goes out."""
+    urgent_left_ms: float = 400.0
+    """Later segments: when no segment is generating and the listener has less than this much
+    audio left to play (at the client and not yet sent), the complete words waiting go out without
+    waiting for a sentence end (cut at a clause boundary when there is one, at least
+    ``first_min_units`` long). 0: off (always wait for a sentence end, ``idle_wait_ms`` or
+    ``max_units``)."""
+
+    def _check_field(self, name: str, value: Any) -> None:
+        super()._check_field(name, value)
+        if name == "urgent_left_ms" and not 0 <= value <= 10_000:
+            self._fail(name, f"must be in [0, 10000] (0 = off), got {value!r}")
 
     def _cross_check(self) -> None:
         if self.first_min_units > self.first_max_units:

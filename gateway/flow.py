@@ -118,6 +118,15 @@ class FlowControl:
     def ahead_ms(self, now_s: float) -> float:
         return self.ahead(now_s) * 1000.0 / self.rate
 
+    def left_estimate(self, now_s: float) -> int:
+        """Samples the client has still to play, its best estimate: ``ahead``, less what a reporting
+        client has played since its last fresh report (real time). Not used for send credit, which
+        never extrapolates; it tells when the listener is about to run dry."""
+        ahead = self.ahead(now_s)
+        if self._reported is not None and now_s - self._report_t <= self.config.stale_report_ms / 1000.0:
+            ahead -= int((now_s - self._report_t) * self.rate)
+        return max(0, ahead)
+
     def can_send(self, now_s: float, samples: int) -> bool:
         ahead = self.ahead(now_s)
         return ahead == 0 or ahead + samples <= self.window

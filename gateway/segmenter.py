@@ -14,7 +14,9 @@ Policy:
 * Later segments: sentence-sized. The last sentence boundary with at least ``min_units`` before
   it and at most ``max_units``; past ``max_units`` cut at a clause boundary, else a space.
   When the pipeline has run dry (``idle``), text that waited ``idle_wait_ms`` goes out at the
-  best boundary available.
+  best boundary available. When the listener is about to run out of audio (``urgent``: the
+  session's call, ``SegmenterConfig.urgent_left_ms``), the complete words go out at once, cut at
+  the last clause boundary if there is one, once they are ``first_min_units`` long.
 * ``flush()`` and ``end()`` force all text received so far out (no boundary needed).
 
 Boundaries: CJK punctuation and newlines are boundaries at once. ASCII ``. , ; : ! ?`` are
@@ -260,9 +262,12 @@ class Segmenter:
 
     # ---- the pull -----------------------------------------------------------------------
 
-    def next_segment(self, now_s: float, idle: bool = False, peek: bool = False) -> Segment | None:
+    def next_segment(self, now_s: float, idle: bool = False, peek: bool = False,
+                     urgent: bool = False) -> Segment | None:
         """The next segment to submit now, or None to wait for text (or ``deadline_s``).
-        With ``peek`` nothing is consumed (the same call without it returns the same segment)."""
+        With ``peek`` nothing is consumed (the same call without it returns the same segment).
+        ``urgent``: the listener's audio is about to run out, so a later segment need not wait
+        for a sentence end."""
         buf = self._buf
         if not buf:
             return None
@@ -273,7 +278,7 @@ class Segmenter:
         elif self._segments_out == 0:
             cut, forced = self._first_cut(buf, now_s)
         else:
-            cut, forced = self._later_cut(buf, now_s, idle)
+            cut, forced = self._later_cut(buf, now_s, idle, urgent)
         if cut <= 0:
             return None
         if peek:
@@ -315,7 +320,7 @@ class Segmenter:
             return self._timed_cut(buf, now_s - self._first_text_s, cfg.first_wait_ms), True
         return 0, False
 
-    def _later_cut(self, buf: str, now_s: float, idle: bool) -> tuple[int, bool]:
+    def _later_cut(self, buf: str, now_s: float, idle: bool, urgent: bool) -> tuple[int, bool]:
         cfg = self.config
         limit = _prefix_within(buf, cfg.max_units)
         bounds = find_boundaries(buf[: limit + 1] if limit < len(buf) else buf)
@@ -334,7 +339,21 @@ class Segmenter:
                     sentences = [b.end for b in bounds if b.sentence]
                     return (sentences[-1] if sentences else bounds[-1].end), False
                 return self._timed_cut(buf, now_s - self._last_feed_s, cfg.idle_wait_ms), True
+        if urgent:
+            return self._urgent_cut(buf), True
         return 0, False
+
+    def _urgent_cut(self, buf: str) -> int:
+        """The complete words, cut after the last clause boundary among them if there is one, when
+        that cut is at least ``first_min_units`` long; 0 (wait) otherwise."""
+        words = _last_space_cut(buf, len(buf))
+        if words <= 0:
+            return 0
+        clauses = [b.end for b in find_boundaries(buf[: words + 1]) if b.end <= words]
+        for cut in (clauses[-1] if clauses else 0, words):
+            if cut > 0 and text_units(buf[:cut]) >= self.config.first_min_units:
+                return cut
+        return 0
 
     def _timed_cut(self, buf: str, waited_s: float, wait_ms: float) -> int:
         """Waited long enough: the complete words now; all of it after twice the wait."""

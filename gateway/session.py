@@ -535,6 +535,10 @@ class Session:
                     d = utt.segmenter.deadline_s(now_s, idle=not self._streams)
                     if d is not None:
                         deadlines.append(d)
+                    if utt.segmenter.segments_out > 0 and utt.segmenter.pending_text:
+                        d = self._urgent_deadline_s(now_s)
+                        if d is not None:
+                            deadlines.append(d)
             if self._streams and not self._send_blocked:
                 # credit for the head's next frame, or (nothing held) for pulling more audio
                 head = self._streams[0]
@@ -833,7 +837,7 @@ class Session:
                 r, utt.resume = utt.resume, None
                 self._submit(now_s, utt, r.text, out, (0, len(r.text)), r)
                 continue
-            seg = utt.segmenter.next_segment(now_s, idle=not self._streams)
+            seg = utt.segmenter.next_segment(now_s, idle=not self._streams, urgent=self._urgent(now_s))
             if seg is None:
                 return
             if not is_speakable(seg.text):
@@ -877,6 +881,29 @@ class Session:
             sample_rate_hz=self.rate_hz,
             prefix_codes=prefix,
         ), first=first and resume is None))  # a resumed answer is already playing: admission lets it on
+
+    def _audio_left_ms(self, now_s: float) -> float:
+        """Audio the listener has left before it runs dry: what the client still has to play
+        (``FlowControl.left_estimate``) and what is held here unsent."""
+        held = sum(s.held_samples for s in self._streams)
+        return (self._flow.left_estimate(now_s) + held) * 1000.0 / self.rate_hz
+
+    def _urgent(self, now_s: float) -> bool:
+        """No segment is generating and the listener is about to run out of audio
+        (``SegmenterConfig.urgent_left_ms``): the next segment need not wait for a sentence end."""
+        limit = self.settings.segmenter.urgent_left_ms
+        if limit <= 0 or any(s.generating for s in self._streams):
+            return False
+        return self._audio_left_ms(now_s) < limit
+
+    def _urgent_deadline_s(self, now_s: float) -> float | None:
+        """When ``_urgent`` turns true as the listener plays on (None: it is true now, a segment is
+        generating, or the rule is off)."""
+        limit = self.settings.segmenter.urgent_left_ms
+        if limit <= 0 or any(s.generating for s in self._streams):
+            return None
+        left = self._audio_left_ms(now_s)
+        return now_s + (left - limit) / 1000.0 + 0.001 if left >= limit else None
 
     def _mark_ready(self, now_s: float) -> None:
         """Note when an utterance's first segment could go out but waits for the pipeline."""

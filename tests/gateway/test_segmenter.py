@@ -135,6 +135,29 @@ def test_idle_wait_sends_what_there_is():
     assert s is not None and s.text == "and then some"
 
 
+def test_urgent_sends_the_complete_words_without_a_sentence_end():
+    seg = Segmenter(SegmenterConfig(first_min_units=8))
+    seg.feed("Sure thing, the old laptop, on the other hand, usually ta", 0.0)
+    assert seg.next_segment(0.0, urgent=True).text == "Sure thing,"  # type: ignore[union-attr]
+    assert seg.next_segment(0.0) is None  # no sentence end yet: wait
+    # the listener is about to run dry: the last clause boundary among the complete words
+    s = seg.next_segment(0.0, urgent=True, peek=True)
+    assert s is not None and s.text == "the old laptop, on the other hand," and s.forced
+    seg.next_segment(0.0, urgent=True)
+    # a partial word never goes ("ta" may still grow), nor a cut under first_min_units
+    assert seg.next_segment(0.0, urgent=True) is None  # "usually" is 7 units
+    seg.feed("kes about", 0.1)
+    s = seg.next_segment(0.1, urgent=True)
+    assert s is not None and s.text == "usually takes"
+
+
+def test_urgent_does_not_touch_the_first_segment():
+    seg = Segmenter(SegmenterConfig(first_wait_ms=200))
+    seg.feed("Thinking about the answer", 0.0)
+    assert seg.next_segment(0.0, urgent=True) is None  # the first segment has its own timer
+    assert seg.deadline_s(0.0, idle=False) == 0.2
+
+
 def test_flush_forces_without_boundary():
     seg = Segmenter()
     seg.feed("no boundary here", 0.0)

@@ -436,6 +436,32 @@ def test_first_segment_timer():
     assert st.request.text == "Thinking"
 
 
+def test_a_later_segment_goes_before_its_sentence_ends_when_the_listener_is_about_to_run_dry():
+    def run(urgent_left_ms: float, report: bool) -> tuple[list[StartStream], float | None]:
+        h = Harness(limits={"flow_window_ms": 2_000},
+                    segmenter=SegmenterConfig(first_min_units=5, min_units=10, urgent_left_ms=urgent_left_ms))
+        h.start()
+        (s1,) = starts(h.msg({"type": "text.delta", "text": "Sure thing, the old laptop usually ta"}, at=0.0))
+        assert s1.request.text == "Sure thing,"
+        if report:
+            h.msg({"type": "playback", "played_samples": 0}, at=0.1)
+        # 600 ms of audio, all sent at 0.1 s: the listener runs dry at 0.7 s
+        assert not starts(h.audio(s1.request.request_id, 600, finished=True, at=0.1))
+        deadline = h.s.next_deadline_s(h.now)
+        return starts(h.timer(0.301)), deadline
+
+    later, deadline = run(400.0, report=False)
+    assert deadline == pytest.approx(0.301, abs=1e-6)  # 400 ms before it runs dry
+    assert [s.request.text for s in later] == ["the old laptop usually"]  # complete words only
+    # a reporting client: its playhead moves on between reports in the estimate
+    later, deadline = run(400.0, report=True)
+    assert deadline == pytest.approx(0.301, abs=1e-6)
+    assert [s.request.text for s in later] == ["the old laptop usually"]
+    # off: the sentence end is awaited, or idle_wait_ms (400) after the last text, 0.1 s too late
+    later, deadline = run(0.0, report=False)
+    assert later == [] and deadline == pytest.approx(0.4)
+
+
 def test_send_buffer_congestion_pauses_frames():
     h = Harness(limits={"flow_window_ms": 10_000})
     h.start()
