@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.api import SpeechEngine
 from gateway.config import GatewaySettings
-from gateway.scheduling import AdmissionController, AdmissionDecision, EngineLoad
+from gateway.scheduling import REALTIME_STEP_MS, AdmissionController, AdmissionDecision, EngineLoad
 
 _REGISTRY: weakref.WeakKeyDictionary[Any, EngineScheduler] = weakref.WeakKeyDictionary()
 
@@ -37,7 +37,8 @@ class EngineScheduler:
         self.max_num_seqs = max(1, config.engine.max_num_seqs)
         sc = config.scheduler
         self.admission: AdmissionController | None = (
-            AdmissionController(sc, first_chunk_steps=config.engine.first_audio_steps, require_queue=True)
+            AdmissionController(sc, first_chunk_steps=config.engine.first_audio_steps, require_queue=True,
+                                max_step_ms=REALTIME_STEP_MS if sc.realtime_guard else None)
             if sc.admission else None
         )
         self.refused = 0

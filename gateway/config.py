@@ -121,6 +121,12 @@ class SchedulerConfig(Checked):
     slot (``engine.max_num_seqs``) and the estimated time to first audio (queue length, learned
     step time and segment length) exceeds ``ttfa_target_ms``, the utterance fails at once with
     error ``engine_overloaded`` (the session stays open; the client may retry)."""
+    realtime_guard: bool = False
+    """Admission: also refuse a new utterance, free batch slot or not, when the step time learned
+    from chunk arrivals at the batch it would join exceeds real time (one ChatTTS GPT step is
+    21.3 ms of audio): starting it would make the answers already playing fall behind. Acts once
+    32 chunk intervals were seen; on a machine slower than real time at batch 1, only past 1.5x
+    its batch-1 step. Off until a GPU A/B decides (bench/RESULTS.md)."""
 
 
 @dataclass(frozen=True)

@@ -145,9 +145,14 @@ class AdmissionController:
     Admit when the estimate <= ``max(ttfa_target_ms, idle_slack * idle estimate)``, or when the
     engine is idle, or (``require_queue``, what the gateway uses) when a batch slot is free: then
     the new utterance joins the batch at once and refusing it would not make anyone faster; the
-    step-time model only decides how long a queue is too long. ``max_step_ms`` (optional): also refuse when the predicted step time at the
-    new batch size exceeds it (e.g. ``REALTIME_STEP_MS``: every running stream would fall
-    behind real time).
+    step-time model only decides how long a queue is too long.
+
+    ``max_step_ms`` (optional, the real-time guard: ``REALTIME_STEP_MS``): before the free-slot
+    rule, refuse when the learned step time at the batch the utterance would join exceeds
+    ``max(max_step_ms, idle_slack x step(1))``: the answers already playing would fall behind real
+    time (a machine slower than that at batch 1 refuses only past ``idle_slack`` x its batch-1
+    step). The guard acts once the model has ``guard_min_observations`` observations: a prior is
+    no ground for refusing anyone.
     """
 
     def __init__(
@@ -160,6 +165,7 @@ class AdmissionController:
         idle_slack: float = 1.5,
         max_step_ms: float | None = None,
         require_queue: bool = False,
+        guard_min_observations: int = 32,
     ) -> None:
         self.config = config or SchedulerConfig()
         self.require_queue = require_queue
@@ -168,6 +174,7 @@ class AdmissionController:
         self.decode_ms = decode_ms
         self.idle_slack = idle_slack
         self.max_step_ms = max_step_ms
+        self.guard_min_observations = guard_min_observations
         self._segment_steps = mean_segment_steps
         self._segment_alpha = 0.05
 
@@ -205,6 +212,9 @@ class AdmissionController:
         limit = max(self.config.ttfa_target_ms, self.idle_slack * self.idle_estimate_ms())
         if load.running <= 0 and load.waiting_ahead <= 0:
             return AdmissionDecision(True, estimate, limit, reason="idle engine")
+        guard = self._realtime_guard(load, estimate, limit)
+        if guard is not None:
+            return guard
         if self.require_queue and load.waiting_ahead < max(0, load.max_num_seqs - load.running):
             return AdmissionDecision(True, estimate, limit, reason="a batch slot is free")
         if estimate > limit:
@@ -216,16 +226,22 @@ class AdmissionController:
                 retry_after_ms=min(MAX_RETRY_AFTER_MS, math.ceil(estimate - limit)),
                 reason=f"estimated time to first audio {estimate:.0f} ms > {limit:.0f} ms",
             )
-        if self.max_step_ms is not None:
-            batch = min(max(1, load.max_num_seqs), load.running + load.waiting_ahead + 1)
-            step = self.estimator.predict(batch)
-            if step > self.max_step_ms:
-                return AdmissionDecision(
-                    False,
-                    estimate,
-                    limit,
-                    code=OVERLOADED_CODE,
-                    retry_after_ms=min(MAX_RETRY_AFTER_MS, math.ceil((step - self.max_step_ms) * self._segment_steps)),
-                    reason=f"step time at batch {batch} {step:.1f} ms > {self.max_step_ms:.1f} ms",
-                )
         return AdmissionDecision(True, estimate, limit, reason="within target")
+
+    def _realtime_guard(self, load: EngineLoad, estimate: float, limit: float) -> AdmissionDecision | None:
+        """The refusal of the real-time guard (``max_step_ms``), or None."""
+        if self.max_step_ms is None or self.estimator.observations < self.guard_min_observations:
+            return None
+        batch = min(max(1, load.max_num_seqs), load.running + load.waiting_ahead + 1)
+        step = self.estimator.predict(batch)
+        bound = max(self.max_step_ms, self.idle_slack * self.estimator.predict(1))
+        if step <= bound:
+            return None
+        return AdmissionDecision(
+            False,
+            estimate,
+            limit,
+            code=OVERLOADED_CODE,
+            retry_after_ms=min(MAX_RETRY_AFTER_MS, math.ceil((step - bound) * self._segment_steps)),
+            reason=f"step time at batch {batch} {step:.1f} ms > {bound:.1f} ms",
+        )

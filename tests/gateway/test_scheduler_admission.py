@@ -65,3 +65,38 @@ async def test_admission_refuses_new_utterance_when_engine_full_then_recovers(tm
         assert done["status"] == "ok" and done["samples"] > 0
         await c.close()
         await busy.close()
+
+
+async def test_realtime_guard_refuses_a_new_answer_that_would_slow_the_playing_ones(tmp_path: Path) -> None:
+    """``scheduler.realtime_guard``: batch slots are free (``max_num_seqs`` 64), but the step time
+    learned at the batch a new answer would join is past real time (21.3 ms a step): it is refused,
+    and the answer already playing goes on. Off (the default): the same answer is admitted."""
+    for guard in (True, False):
+        engine = FakeSpeechEngine(speed=2.0)
+        async with _gateway(engine, tmp_path, {"max_num_seqs": 64}, {"realtime_guard": guard}) as server:
+            sched = EngineScheduler.for_server(server)
+            assert sched.admission is not None
+            for _ in range(4):  # learned: 2 + 10 ms per sequence (batch 1: 12 ms, batch 2: 22 ms)
+                for b in range(1, 9):
+                    sched.admission.observe_step(b, 2.0 + 10.0 * b)
+            bt = Transcript()
+            busy = quiet_client(server.ws_url, bt)
+            await busy.connect()
+            busy.speak(LONG)
+            await bt.wait_for("segment.started")
+            assert engine.health().running_requests >= 1
+
+            t = Transcript()
+            c = fast_client(server.ws_url, t)
+            await c.connect()
+            c.speak("Hello there, may I speak?")
+            if guard:
+                err = await t.wait_for("error")
+                assert err["code"] == "engine_overloaded" and err["retry_after_ms"] > 0, err
+                assert sched.refused == 1
+            else:
+                assert (await t.wait_for("segment.started"))["utterance_id"] == 1
+                assert sched.refused == 0
+            assert not [m for m in bt.messages if m.get("type") == "error"]  # the playing answer goes on
+            await c.close()
+            await busy.close()

@@ -142,11 +142,26 @@ def test_slow_machine_limit_scales_with_idle_estimate() -> None:
 
 def test_realtime_guard_optional() -> None:
     est = StepTimeEstimator(prior_step_ms=2.0, overhead_fraction=0.0)  # 2 ms per sequence
-    ac = AdmissionController(CFG, est, max_step_ms=REALTIME_STEP_MS)
+    ac = AdmissionController(CFG, est, max_step_ms=REALTIME_STEP_MS, require_queue=True)
+    busy = EngineLoad(running=12, waiting_ahead=0, max_num_seqs=64)  # 26 ms > 21.3, slots free
+    assert ac.decide(busy).admit  # a prior is no ground for refusing: nothing learned yet
+    for _ in range(4):
+        for b in range(1, 17):
+            est.observe(b, 2.0 * b)  # learned: 2 ms per sequence
     assert ac.decide(EngineLoad(running=9, waiting_ahead=0, max_num_seqs=64)).admit  # 20 ms
-    d = ac.decide(EngineLoad(running=12, waiting_ahead=0, max_num_seqs=64))  # 26 ms > 21.3
-    assert not d.admit and d.code == OVERLOADED_CODE and "step time" in d.reason
-    assert AdmissionController(CFG, est).decide(EngineLoad(12, 0, 64)).admit  # guard off by default
+    d = ac.decide(busy)  # refused although a batch slot is free
+    assert not d.admit and d.code == OVERLOADED_CODE and "step time" in d.reason and d.retry_after_ms > 0
+    assert AdmissionController(CFG, est, require_queue=True).decide(busy).admit  # guard off by default
+
+
+def test_realtime_guard_on_a_machine_slower_than_real_time() -> None:
+    est = StepTimeEstimator(prior_step_ms=40.0)
+    for _ in range(4):
+        for b in range(1, 17):
+            est.observe(b, 40.0 + 5.0 * b)  # 45 ms at batch 1: never real time
+    ac = AdmissionController(CFG, est, max_step_ms=REALTIME_STEP_MS, require_queue=True, idle_slack=1.5)
+    assert ac.decide(EngineLoad(running=4, waiting_ahead=0, max_num_seqs=64)).admit  # 65 <= 1.5 x 45
+    assert not ac.decide(EngineLoad(running=6, waiting_ahead=0, max_num_seqs=64)).admit  # 75 > 67.5
 
 
 def test_admission_learns_from_observations() -> None:
