@@ -11,6 +11,10 @@
 #      (A_MAX_S: seconds the first gateway's run may take, so that the second gets the rest;
 #      A_EXTRA: more bench.gpu_e2e arguments for the first run).
 # Budget: BUDGET_S seconds for the whole call (default 570).
+# Timing seen on H100/H200 hosts: the first call on a fresh machine spends ~70 s in setup (the full
+# checkpoint is made once, 47 s) and its first gateway starts cold (torch.compile, graph capture:
+# 130-160 s); later gateways on the same machine start in 80-90 s. A 40-s level takes ~55 s with its
+# settle. So in a first call, give the first gateway A_MAX_S >= 330 for one 400/10 level.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
