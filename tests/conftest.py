@@ -28,9 +28,11 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from engine._compat import ensure_torch_companions
+from engine.vllm._env import prepare
 
-ensure_torch_companions()  # before anything imports transformers, vocos or chattts
+# before anything imports transformers, vocos or chattts: torch companions importable, Triton hidden
+# beside a CPU-only torch (its nanobind extension prints "leaked" lines at every process exit)
+prepare()
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
