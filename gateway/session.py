@@ -882,28 +882,25 @@ class Session:
             prefix_codes=prefix,
         ), first=first and resume is None))  # a resumed answer is already playing: admission lets it on
 
-    def _audio_left_ms(self, now_s: float) -> float:
-        """Audio the listener has left before it runs dry: what the client still has to play
-        (``FlowControl.left_estimate``) and what is held here unsent."""
-        held = sum(s.held_samples for s in self._streams)
-        return (self._flow.left_estimate(now_s) + held) * 1000.0 / self.rate_hz
-
-    def _urgent(self, now_s: float) -> bool:
-        """No segment is generating and the listener is about to run out of audio
-        (``SegmenterConfig.urgent_left_ms``): the next segment need not wait for a sentence end."""
-        limit = self.settings.segmenter.urgent_left_ms
-        if limit <= 0 or any(s.generating for s in self._streams):
-            return False
-        return self._audio_left_ms(now_s) < limit
-
-    def _urgent_deadline_s(self, now_s: float) -> float | None:
-        """When ``_urgent`` turns true as the listener plays on (None: it is true now, a segment is
-        generating, or the rule is off)."""
+    def _urgent_margin_ms(self, now_s: float) -> float | None:
+        """Audio the listener has left (what the client still has to play,
+        ``FlowControl.left_estimate``, and what is held here unsent) less
+        ``SegmenterConfig.urgent_left_ms``; None while a segment is generating or the rule is off.
+        Below 0: the next segment need not wait for a sentence end."""
         limit = self.settings.segmenter.urgent_left_ms
         if limit <= 0 or any(s.generating for s in self._streams):
             return None
-        left = self._audio_left_ms(now_s)
-        return now_s + (left - limit) / 1000.0 + 0.001 if left >= limit else None
+        held = sum(s.held_samples for s in self._streams)
+        return (self._flow.left_estimate(now_s) + held) * 1000.0 / self.rate_hz - limit
+
+    def _urgent(self, now_s: float) -> bool:
+        margin = self._urgent_margin_ms(now_s)
+        return margin is not None and margin < 0
+
+    def _urgent_deadline_s(self, now_s: float) -> float | None:
+        """When ``_urgent`` turns true as the listener plays on (None: true now, or never by time)."""
+        margin = self._urgent_margin_ms(now_s)
+        return now_s + margin / 1000.0 + 0.001 if margin is not None and margin >= 0 else None
 
     def _mark_ready(self, now_s: float) -> None:
         """Note when an utterance's first segment could go out but waits for the pipeline."""

@@ -308,8 +308,8 @@ def test_automatic_settings_resolve_per_platform(tiny_model_dir: Path) -> None:
     single = resolve_platform(cfg({"port": 0}, {}), cuda=True).gateway
     assert (single.processes, single.engine_cores) == (1, 1)
     # an explicit odd process count keeps one engine core; an even one is split over two
-    odd = load_config(overrides={"gateway.processes": "3"})
-    assert (resolve_platform(odd, cuda=True).gateway.engine_cores, resolve_platform(odd, cuda=True).gateway.processes) == (1, 3)
+    odd = resolve_platform(load_config(overrides={"gateway.processes": "3"}), cuda=True).gateway
+    assert (odd.engine_cores, odd.processes) == (1, 3)
     even = resolve_platform(load_config(overrides={"gateway.processes": "6"}), cuda=True).gateway
     assert (even.processes, even.engine_cores) == (6, 2)
     # a key given in TOML, environment or CLI is never replaced, even when it equals the CPU default
