@@ -132,6 +132,11 @@ class EngineConfig(Checked):
     first chunk brings the first audio earlier, at every load (bench/RESULTS.md)."""
     chunk_steps: int = 16
     """Decoder: GPT steps per later chunk."""
+    full_chunks_below_x: float = 1.0
+    """Decoder: a stream whose GPT steps arrive slower than this multiple of real time gets whole
+    chunks (``chunk_steps``) instead of ones sized by its lead (``ChunkPolicy``): each forward costs
+    the decoder one window whatever the chunk's size, and a stream that slow builds no lead with
+    small chunks. 0: chunks follow the lead at every rate."""
     decoder_max_batch: int = 64
     """Decoder: most rows (chunks of at most ``chunk_steps`` steps) in one batched forward; the batch
     buckets (one CUDA graph each on a GPU) are the powers of two up to it."""
@@ -171,6 +176,8 @@ class EngineConfig(Checked):
             self._fail(name, f"must be in (0, 1], got {value!r}")
         if name == "decoder_lookahead_steps" and value < -1:
             self._fail(name, f"must be >= -1 (-1 = exact), got {value!r}")
+        if name == "full_chunks_below_x" and value < 0:
+            self._fail(name, f"must be >= 0 (0 = off), got {value!r}")
         if name == "decoder_torch_threads" and value < 0:
             self._fail(name, f"must be >= 0, got {value!r}")
         if name == "decoder_device" and not re.fullmatch(r"|cpu|cuda(:\d+)?", value):

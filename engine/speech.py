@@ -63,7 +63,7 @@ def chunk_policy(cfg: EngineConfig, exact_lookahead_steps: int) -> ChunkPolicy:
     la = int(getattr(cfg, "decoder_lookahead_steps", -1))
     if la < 0 or la > exact_lookahead_steps:
         la = exact_lookahead_steps
-    return ChunkPolicy(cfg.first_chunk_steps, cfg.chunk_steps, la)
+    return ChunkPolicy(cfg.first_chunk_steps, cfg.chunk_steps, la, full_below_x=cfg.full_chunks_below_x)
 
 
 def build_decoder(cfg: EngineConfig, model_dir: str, device: str = "cpu", attach: SharedDecoder | None = None) -> DecoderClient:
@@ -295,8 +295,13 @@ class ChatTTSSpeech:
                     if t_arrival0 is None:
                         t_arrival0, arrival0 = loop.time(), received
                 final = frames.finished
+                now = loop.time()
+                span = now - t_arrival0 if t_arrival0 is not None else 0.0
+                # steps per second since this stream's first frames (its share of the engine)
+                arrival = (received - arrival0) / span if span > 0.02 and received > arrival0 else None
+                rate_x = arrival * lead.step_s if arrival else None
                 while True:
-                    n = policy.push_steps(received, decoded, final, lead.lead_steps(loop.time()))
+                    n = policy.push_steps(received, decoded, final, lead.lead_steps(loop.time()), rate_x)
                     last = final and decoded + n == received
                     if not n and not last:
                         break
@@ -321,8 +326,6 @@ class ChatTTSSpeech:
                     # Nothing is due until the next chunk's steps are in: read the code stream once
                     # for them rather than once per GPT step (ChunkPolicy.idle_s). Barge-in wakes it.
                     now = loop.time()
-                    span = now - t_arrival0
-                    arrival = (received - arrival0) / span if span > 0.02 and received > arrival0 else None
                     wait_s = policy.idle_s(received, decoded, lead.lead_steps(now), lead.step_s, arrival)
                     if wait_s:
                         with contextlib.suppress(TimeoutError):

@@ -236,7 +236,11 @@ class ChunkPolicy:
       doubles the chunk with the emitted audio (``first, first, 2*first, ...``, the rule
       without a lead) leaves ``E * (1 - 2/r)`` of margin before each chunk and underruns at
       every stream start once the engine is under 2x real time;
-    * without a lead (``lead_steps=None``) the doubling rule above, capped at ``chunk_steps``.
+    * without a lead (``lead_steps=None``) the doubling rule above, capped at ``chunk_steps``;
+    * a stream generated slower than ``full_below_x`` times real time (``rate_x``, when known)
+      gets whole chunks (``chunk_steps``) whatever its lead: no chunk size builds a lead then,
+      and every forward costs the decoder one window whatever the chunk's size, so small chunks
+      would only multiply the decoder's share of a GPU that is already short for the GPT.
 
     ``push_steps`` caps one forward at ``max_push_steps`` after the first chunk, so a backlog
     (a consumer that paused) is decoded in several forwards instead of one long one that every
@@ -250,11 +254,14 @@ class ChunkPolicy:
     lead_fraction: float = 0.5
     max_push_steps: int = 0
     """0: ``2 * chunk_steps``."""
+    full_below_x: float = 0.0
+    """Whole chunks for a stream generated slower than this multiple of real time (0: never)."""
 
     def __post_init__(self) -> None:
         if self.first_chunk_steps < 1 or self.chunk_steps < 1 or self.lookahead_steps < 0:
             raise ValueError(f"bad chunk policy {self}")
-        if self.min_chunk_steps < 1 or not 0.0 < self.lead_fraction <= 1.0 or self.max_push_steps < 0:
+        if self.min_chunk_steps < 1 or not 0.0 < self.lead_fraction <= 1.0 or self.max_push_steps < 0 \
+                or self.full_below_x < 0:
             raise ValueError(f"bad chunk policy {self}")
 
     @property
@@ -268,18 +275,21 @@ class ChunkPolicy:
         emitted mid-stream."""
         return max(0, decoded_steps - max(1, self.lookahead_steps))
 
-    def next_chunk_steps(self, audible_done: int, lead_steps: float | None = None) -> int:
-        """Audible steps the next chunk waits for, given ``audible_done`` already emitted and the
-        stream's current lead (``None``: unknown)."""
+    def next_chunk_steps(self, audible_done: int, lead_steps: float | None = None,
+                         rate_x: float | None = None) -> int:
+        """Audible steps the next chunk waits for, given ``audible_done`` already emitted, the
+        stream's current lead and the rate its steps arrive at, x real time (``None``: unknown)."""
         if audible_done <= 0:
             return self.first_chunk_steps
+        if rate_x is not None and rate_x < self.full_below_x:
+            return self.chunk_steps
         if lead_steps is None:
             return max(1, min(self.chunk_steps, max(self.first_chunk_steps, audible_done)))
         want = int(max(0.0, lead_steps) * self.lead_fraction)
         return max(1, min(self.chunk_steps, max(self.min_chunk_steps, want)))
 
     def ready(self, received_steps: int, decoded_steps: int, finished: bool,
-              lead_steps: float | None = None) -> bool:
+              lead_steps: float | None = None, rate_x: float | None = None) -> bool:
         """True when a forward should run for this stream now.
 
         ``decoded_steps``: steps already pushed to the decoder; ``received_steps`` includes them.
@@ -290,27 +300,28 @@ class ChunkPolicy:
         if pending <= 0:
             return False
         done = self.audible_steps(decoded_steps)
-        return self.audible_steps(received_steps) - done >= self.next_chunk_steps(done, lead_steps)
+        return self.audible_steps(received_steps) - done >= self.next_chunk_steps(done, lead_steps, rate_x)
 
     def push_steps(self, received_steps: int, decoded_steps: int, finished: bool,
-                   lead_steps: float | None = None) -> int:
+                   lead_steps: float | None = None, rate_x: float | None = None) -> int:
         """Steps to push now (0: wait). Everything pending at the end or before the first
         audio; else at most ``push_cap_steps`` (call again after the push: the rest may be due)."""
-        if not self.ready(received_steps, decoded_steps, finished, lead_steps):
+        if not self.ready(received_steps, decoded_steps, finished, lead_steps, rate_x):
             return 0
         pending = received_steps - decoded_steps
         if finished or self.audible_steps(decoded_steps) == 0:
             return pending
         return min(pending, self.push_cap_steps)
 
-    def steps_short(self, received_steps: int, decoded_steps: int, lead_steps: float | None) -> int:
+    def steps_short(self, received_steps: int, decoded_steps: int, lead_steps: float | None,
+                    rate_x: float | None = None) -> int:
         """Audible steps still to arrive before the next forward is due (0: due now, or before
         the first audio, where every step counts)."""
         done = self.audible_steps(decoded_steps)
         if done <= 0 or lead_steps is None:
             return 0
         have = self.audible_steps(received_steps) - done
-        return max(0, self.next_chunk_steps(done, lead_steps) - have)
+        return max(0, self.next_chunk_steps(done, lead_steps, rate_x) - have)
 
     def idle_s(self, received_steps: int, decoded_steps: int, lead_steps: float | None, step_s: float,
                arrival_steps_per_s: float | None, margin_s: float = COALESCE_MARGIN_S) -> float:
@@ -320,7 +331,8 @@ class ChunkPolicy:
         ``margin_s`` of the stream's lead (halved: the wait also spends lead). Reading once per
         chunk instead of once per GPT step is what keeps the consumer's event loop off the hot
         path at hundreds of streams (the code stream merges what arrives meanwhile)."""
-        short = self.steps_short(received_steps, decoded_steps, lead_steps)
+        rate_x = arrival_steps_per_s * step_s if arrival_steps_per_s else None
+        short = self.steps_short(received_steps, decoded_steps, lead_steps, rate_x)
         if short <= 0 or not arrival_steps_per_s or arrival_steps_per_s <= 0 or lead_steps is None:
             return 0.0
         wait_s = 0.75 * short / arrival_steps_per_s

@@ -526,7 +526,7 @@ def test_chunk_policy_from_config(vocoders: dict) -> None:
 
     g = vocoders[("full", "codes")].geometry
     p = chunk_policy(EngineConfig(), g.exact_lookahead_steps)
-    assert p == ChunkPolicy(2, 16, 8)  # the defaults (docs/decoder.md: chunking and the lookahead table)
+    assert p == ChunkPolicy(2, 16, 8, full_below_x=1.0)  # the defaults (docs/decoder.md: chunking and the lookahead table)
     assert chunk_policy(EngineConfig(decoder_lookahead_steps=-1), g.exact_lookahead_steps).lookahead_steps == 52
 
 
