@@ -317,14 +317,18 @@ class CountingEngine:
 
 
 class FakeCodeEngine:
-    """Yields predetermined codes (and hidden states) in pieces; records what was pulled."""
+    """Yields predetermined codes (and hidden states) in pieces; records what was pulled.
+    ``step_s`` > 0: a piece of ``k`` steps comes ``k * step_s`` after the previous one (an engine
+    at ``1 / (step_s * 46.875)`` times real time per stream); 0: as fast as it is read."""
 
     name = "chattts-fake"
 
-    def __init__(self, utterances: dict[str, np.ndarray], piece: int = 1, hidden: dict[str, np.ndarray] | None = None):
+    def __init__(self, utterances: dict[str, np.ndarray], piece: int = 1, hidden: dict[str, np.ndarray] | None = None,
+                 step_s: float = 0.0):
         self.utterances = utterances
         self.hidden = hidden or {}
         self.piece = piece
+        self.step_s = step_s
         self.pulled: dict[str, int] = {}
         self.aborted: set[str] = set()
         self.closed_iters: set[str] = set()
@@ -367,7 +371,7 @@ class FakeCodeEngine:
                 pos += k
                 if fin:
                     return
-                await asyncio.sleep(0)
+                await asyncio.sleep(self.step_s * k)
         finally:
             self.running -= 1
             self.closed_iters.add(rid)

@@ -485,6 +485,26 @@ async def test_speech_first_chunk_and_flow_control(vocoders: dict) -> None:
         await sp.close()
 
 
+async def test_a_stream_slower_than_real_time_gets_whole_chunks(vocoders: dict) -> None:
+    """An engine at 0.7x real time per stream: after the first chunk every chunk is
+    ``chunk_steps`` long (one decoder row each), not the smallest chunks its vanishing lead would
+    ask for; with ``engine.full_chunks_below_x=0`` the lead rule sizes them as before."""
+    voc = vocoders[("tiny", "codes")]
+    codes = np.random.default_rng(5).integers(0, 625, (60, 4))
+    sizes = {}
+    for below_x in (1.0, 0.0):
+        eng = FakeCodeEngine({"a": codes}, piece=1, step_s=0.03)  # 0.71x real time
+        sp = await _speech(voc, eng, full_chunks_below_x=below_x)
+        try:
+            chunks = await _collect(sp, SpeechRequest("a", "x"))
+        finally:
+            await sp.close()
+        assert sum(c.steps for c in chunks) == 60
+        sizes[below_x] = [c.steps for c in chunks[1:-1]]
+    assert sizes[1.0] and set(sizes[1.0]) == {8}  # chunk_steps in _speech
+    assert min(sizes[0.0]) < 8 and len(sizes[0.0]) > len(sizes[1.0])
+
+
 @pytest.mark.parametrize("rate", [8000, 16000, 48000])
 async def test_speech_sample_rates(rate: int, vocoders: dict) -> None:
     voc = vocoders[("tiny", "codes")]
