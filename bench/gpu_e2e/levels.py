@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -225,6 +226,7 @@ def run_level(url: str, scenario: str, sessions: int, args: argparse.Namespace, 
     t = time.monotonic()
     result = run_scenario(params, url, args.workers)
     wall = time.monotonic() - t
+    t_end = time.monotonic()
     gpu.sample()
     g = result["metrics"]["all"]
     errors = dict(g["errors"])
@@ -237,6 +239,7 @@ def run_level(url: str, scenario: str, sessions: int, args: argparse.Namespace, 
         "ramp_s": params.ramp_s,
         "duration_s": duration_s,
         "wall_s": round(wall, 1),
+        "mono_s": [round(t, 3), round(t_end, 3)],
         "utterances": g["utterances"],
         "completed": g["completed"],
         "cut_at_end": g["cut_at_end"],
@@ -284,6 +287,25 @@ def run_level(url: str, scenario: str, sessions: int, args: argparse.Namespace, 
           + (f", real time: {row['realtime']}" if scenario != "closed-loop" else
              f", QPS {row['qps']}, aggregate x{st['aggregate_x_realtime']}"), flush=True)
     return row
+
+
+_LOAD_FIELD = re.compile(r"\b(steps_per_s|decode_jobs_per_s|mono)=([\d.]+)")
+
+
+def decoder_rows(load_lines: list[str], t0: float, t1: float) -> dict[str, float | None]:
+    """From the gateway processes' once-a-second ``load`` lines (``gateway.monitor``; ``mono`` is
+    the host's monotonic clock, which the bench reads too) between ``t0`` and ``t1``: decoder rows
+    (``decode_jobs``) per second and GPT steps per row, all processes together. Each row costs the
+    decoder one window whatever its size, so few steps per row is the decoder taking GPU time."""
+    steps = rows = 0.0
+    for line in load_lines:
+        f = {k: float(v) for k, v in _LOAD_FIELD.findall(line)}
+        if "mono" in f and t0 <= f["mono"] <= t1:
+            steps += f.get("steps_per_s", 0.0)
+            rows += f.get("decode_jobs_per_s", 0.0)
+    span = t1 - t0
+    return {"decoder_rows_per_s": round(rows / span, 1) if span > 0 and rows else None,
+            "steps_per_decoder_row": round(steps / rows, 1) if rows else None}
 
 
 def max_realtime(rows: list[dict[str, Any]]) -> dict[str, Any]:

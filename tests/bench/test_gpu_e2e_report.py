@@ -1,0 +1,33 @@
+"""bench.gpu_e2e: the decoder's share of a level, read from the gateway's load lines."""
+
+from __future__ import annotations
+
+from bench.gpu_e2e.levels import decoder_rows
+from bench.gpu_e2e.report import render_markdown
+
+LINES = [  # two gateway processes, one line a second each (gateway.monitor's format)
+    "2026-12-05 18:37:10,100 INFO voicegw.load: load sessions=300 engine_live=600 steps_per_s=12000 "
+    "decode_jobs_per_s=800 mono=100.5",
+    "2026-12-05 18:37:10,120 INFO voicegw.load: load sessions=300 engine_live=600 steps_per_s=12800 "
+    "decode_jobs_per_s=800 mono=100.6",
+    "2026-12-05 18:37:11,100 INFO voicegw.load: load sessions=300 engine_live=600 steps_per_s=11200 "
+    "decode_jobs_per_s=800 mono=101.5",
+    "2026-12-05 18:37:11,120 INFO voicegw.load: load sessions=300 engine_live=600 steps_per_s=12000 "
+    "decode_jobs_per_s=800 mono=101.6",
+    "2026-12-05 18:37:30,100 INFO voicegw.load: load sessions=0 engine_live=0 steps_per_s=0 mono=120.0",
+]
+
+
+def test_decoder_rows_sums_the_processes_inside_the_level() -> None:
+    got = decoder_rows(LINES, 100.0, 102.0)
+    assert got == {"decoder_rows_per_s": 1600.0, "steps_per_decoder_row": 15.0}
+    assert decoder_rows(LINES, 110.0, 125.0) == {"decoder_rows_per_s": None, "steps_per_decoder_row": None}
+    assert decoder_rows([], 0.0, 1.0)["steps_per_decoder_row"] is None
+
+
+def test_the_report_names_each_levels_steps_per_row() -> None:
+    row = {"name": "e2e-closed-400", "scenario": "closed-loop", "sessions": 400, "qps": 6.0,
+           "ttfa_ms": {}, "total_ms": {}, "n_errors": 0, "aggregate_x_realtime": 428.1,
+           "steps_per_decoder_row": 6.5, "decoder_rows_per_s": 3100.0}
+    md = render_markdown({"e2e": {"levels": [row], "data_parallel_size": 1}})
+    assert "e2e-closed-400 6.5 (3100 rows/s)" in md
