@@ -292,20 +292,21 @@ def run_level(url: str, scenario: str, sessions: int, args: argparse.Namespace, 
 _LOAD_FIELD = re.compile(r"\b(steps_per_s|decode_jobs_per_s|mono)=([\d.]+)")
 
 
-def decoder_rows(load_lines: list[str], t0: float, t1: float) -> dict[str, float | None]:
+def decoder_jobs(load_lines: list[str], t0: float, t1: float) -> dict[str, float | None]:
     """From the gateway processes' once-a-second ``load`` lines (``gateway.monitor``; ``mono`` is
-    the host's monotonic clock, which the bench reads too) between ``t0`` and ``t1``: decoder rows
-    (``decode_jobs``) per second and GPT steps per row, all processes together. Each row costs the
-    decoder one window whatever its size, so few steps per row is the decoder taking GPU time."""
-    steps = rows = 0.0
+    the host's monotonic clock, which the bench reads too) between ``t0`` and ``t1``: decoder jobs
+    (pushes, ``decode_jobs``) per second and GPT steps per job, all processes together. A job is
+    one decoder row per ``chunk_steps`` or fewer steps, each row a whole window whatever its size:
+    few steps per job is the decoder taking GPU time from the GPT."""
+    steps = jobs = 0.0
     for line in load_lines:
         f = {k: float(v) for k, v in _LOAD_FIELD.findall(line)}
         if "mono" in f and t0 <= f["mono"] <= t1:
             steps += f.get("steps_per_s", 0.0)
-            rows += f.get("decode_jobs_per_s", 0.0)
+            jobs += f.get("decode_jobs_per_s", 0.0)
     span = t1 - t0
-    return {"decoder_rows_per_s": round(rows / span, 1) if span > 0 and rows else None,
-            "steps_per_decoder_row": round(steps / rows, 1) if rows else None}
+    return {"decoder_jobs_per_s": round(jobs / span, 1) if span > 0 and jobs else None,
+            "steps_per_decoder_job": round(steps / jobs, 1) if jobs else None}
 
 
 def max_realtime(rows: list[dict[str, Any]]) -> dict[str, Any]:

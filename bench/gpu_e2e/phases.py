@@ -30,7 +30,7 @@ from bench.gpu_e2e.host import (
     query_gpus,
     tail_text,
 )
-from bench.gpu_e2e.levels import Gateway, decoder_rows, gateway_cmd, level_estimate_s, max_realtime, run_level
+from bench.gpu_e2e.levels import Gateway, decoder_jobs, gateway_cmd, level_estimate_s, max_realtime, run_level
 
 
 def _has_upstream() -> bool:
@@ -226,7 +226,7 @@ def _gateway_log_facts(log: Path, info: dict[str, Any]) -> None:
             info["load_lines_file"] = str(log.with_suffix(".load.txt"))
             for row in info.get("levels", []):  # the decoder's share of each level
                 if row.get("mono_s"):
-                    row.update(decoder_rows(lines, *row["mono_s"]))
+                    row.update(decoder_jobs(lines, *row["mono_s"]))
 
 
 def args_out_tail(log: Path, lines: int = 150) -> Path | None:

@@ -91,7 +91,7 @@ def headline(d: dict[str, Any], key: str = "e2e") -> dict[str, Any]:
     levels included) heard with no underrun, the 400-session level's underruns and TTFA p99 (text
     wait included), every closed-loop level's delivered GPT steps/s against the engine floor at the
     same concurrency from the same call, the floor at 512 streams, and each level's GPT steps per
-    decoder row. ``None`` where not measured."""
+    decoder job. ``None`` where not measured."""
     e = d.get(key) or {}
     rows = [r for r in e.get("levels") or [] if "failed" not in r]
     steady = [r for r in rows if r.get("scenario") == "steady"]
@@ -107,7 +107,7 @@ def headline(d: dict[str, Any], key: str = "e2e") -> dict[str, Any]:
         out[f"ttfa_p99_ms_{tag}"] = (r.get("ttfa_ms") or {}).get("p99")
         out[f"seg_ttfa_p50_ms_{tag}"] = (r.get("ttfa_segment_ms") or {}).get("p50")
         out[f"seg_ttfa_p99_ms_{tag}"] = (r.get("ttfa_segment_ms") or {}).get("p99")
-        out[f"steps_per_decoder_row_{tag}"] = r.get("steps_per_decoder_row")
+        out[f"steps_per_decoder_job_{tag}"] = r.get("steps_per_decoder_job")
     for r in rows:
         if r.get("scenario") != "closed-loop":
             continue
@@ -116,7 +116,7 @@ def headline(d: dict[str, Any], key: str = "e2e") -> dict[str, Any]:
         out[f"delivered_steps_per_s_closed_{n}"] = got
         out[f"floor_aggregate_steps_per_s_c{n}"] = floor
         out[f"delivered_steps_ratio_{n}"] = round(got / floor, 3) if got and floor else None
-        out[f"steps_per_decoder_row_closed_{n}"] = r.get("steps_per_decoder_row")
+        out[f"steps_per_decoder_job_closed_{n}"] = r.get("steps_per_decoder_job")
     out["floor_aggregate_steps_per_s_c512"] = _floor_aggregate(d, 512)
     return out
 
@@ -235,10 +235,11 @@ def render_markdown(d: dict[str, Any]) -> str:
                       "|---|---|---|---|---|---|---|---|---|---|---|"]
             lines += ["| " + " | ".join(c) + " |" for c in _closed_rows(f"voicegw (DP {e.get('data_parallel_size')})", thr)]
             lines.append("")
-        dec = [f"{r['name']} {_f(r['steps_per_decoder_row'], 1)} ({_f(r.get('decoder_rows_per_s'))} rows/s)"
-               for r in rows if r.get("steps_per_decoder_row")]
+        dec = [f"{r['name']} {_f(r['steps_per_decoder_job'], 1)} ({_f(r.get('decoder_jobs_per_s'))} jobs/s)"
+               for r in rows if r.get("steps_per_decoder_job")]
         if dec:
-            lines += ["GPT steps per decoder row (each row costs the decoder one window; the gateway's load lines): "
+            lines += ["GPT steps per decoder job (a job is a row per chunk_steps or fewer, each row one window; "
+                      "the gateway's load lines): "
                       + "; ".join(dec) + ".", ""]
         if e.get("skipped"):
             lines += ["Skipped: " + "; ".join(e["skipped"]), ""]

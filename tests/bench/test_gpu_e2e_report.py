@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.gpu_e2e.levels import decoder_rows
+from bench.gpu_e2e.levels import decoder_jobs
 from bench.gpu_e2e.report import render_markdown
 
 LINES = [  # two gateway processes, one line a second each (gateway.monitor's format)
@@ -18,16 +18,16 @@ LINES = [  # two gateway processes, one line a second each (gateway.monitor's fo
 ]
 
 
-def test_decoder_rows_sums_the_processes_inside_the_level() -> None:
-    got = decoder_rows(LINES, 100.0, 102.0)
-    assert got == {"decoder_rows_per_s": 1600.0, "steps_per_decoder_row": 15.0}
-    assert decoder_rows(LINES, 110.0, 125.0) == {"decoder_rows_per_s": None, "steps_per_decoder_row": None}
-    assert decoder_rows([], 0.0, 1.0)["steps_per_decoder_row"] is None
+def test_decoder_jobs_sums_the_processes_inside_the_level() -> None:
+    got = decoder_jobs(LINES, 100.0, 102.0)
+    assert got == {"decoder_jobs_per_s": 1600.0, "steps_per_decoder_job": 15.0}
+    assert decoder_jobs(LINES, 110.0, 125.0) == {"decoder_jobs_per_s": None, "steps_per_decoder_job": None}
+    assert decoder_jobs([], 0.0, 1.0)["steps_per_decoder_job"] is None
 
 
 def test_the_report_names_each_levels_steps_per_row() -> None:
     row = {"name": "e2e-closed-400", "scenario": "closed-loop", "sessions": 400, "qps": 6.0,
            "ttfa_ms": {}, "total_ms": {}, "n_errors": 0, "aggregate_x_realtime": 428.1,
-           "steps_per_decoder_row": 6.5, "decoder_rows_per_s": 3100.0}
+           "steps_per_decoder_job": 6.5, "decoder_jobs_per_s": 3100.0}
     md = render_markdown({"e2e": {"levels": [row], "data_parallel_size": 1}})
-    assert "e2e-closed-400 6.5 (3100 rows/s)" in md
+    assert "e2e-closed-400 6.5 (3100 jobs/s)" in md
