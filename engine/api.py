@@ -79,6 +79,11 @@ class SpeechRequest:
     ``max_new_tokens`` is the segment's total) and yields only the new frames. vLLM backend
     only (``VllmCodeEngine``, which sets ``supports_resume = True``); other code engines do not
     support it (the reference backend ignores it), so callers check ``supports_resume``."""
+    queued_audio_ms: float = 0.0
+    """Audio the listener holds ahead of this request's first audio when it is submitted (what an
+    earlier segment left in the client's buffer and unsent): the speech engine's decoder sizes its
+    chunks by the listener's whole lead (``StreamLead``), so a segment queued behind seconds of
+    audio starts with whole chunks. 0: the listener is taken to start on this request's first chunk."""
 
 
 @dataclass(frozen=True)

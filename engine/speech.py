@@ -266,7 +266,9 @@ class ChatTTSSpeech:
         pending: list[np.ndarray] = []
         received = decoded = reported = 0
         loop = asyncio.get_running_loop()
-        lead = StreamLead(SAMPLES_PER_STEP / NATIVE_SAMPLE_RATE_HZ)
+        queued_s = max(0.0, request.queued_audio_ms) / 1000.0
+        lead = StreamLead(SAMPLES_PER_STEP / NATIVE_SAMPLE_RATE_HZ,
+                          queued_until_s=loop.time() + queued_s if queued_s else None)
         prefix = request.prefix_codes
         if prefix is not None and len(prefix):
             if self.resume_mode is not ResumeMode.CODES:

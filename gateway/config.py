@@ -247,6 +247,13 @@ class SessionConfig(Checked):
     """Finished utterances kept for ``cancelled`` accounting (audio may still be playing)."""
     est_ms_per_unit: float = 70.0
     """Speaking time per text unit, to place the playhead inside a segment still generating."""
+    tell_engine_queued_audio: bool = True
+    """Each segment's request carries the audio the listener holds ahead of it
+    (``SpeechRequest.queued_audio_ms``: the client's buffer, ``FlowControl.left_estimate``, and
+    audio held here unsent), so the decoder sizes the segment's chunks by the listener's whole
+    lead: a segment queued behind seconds of audio is decoded in whole chunks, one decoder row per
+    ``engine.chunk_steps``, instead of small ones that each cost a row. False: every segment's
+    chunks start small, as if the listener had nothing else to play."""
     min_audio_ms_per_unit: float = 0.0
     """Floor on a segment's audio per text unit (``gateway.segmenter.text_units``): the GPT may not
     stop (EOS is masked through ``min_new_tokens``) before ``units x this`` ms of audio. Guards

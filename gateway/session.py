@@ -873,6 +873,10 @@ class Session:
             steps = min(params.max_new_tokens - 1, math.ceil(seg.units * floor_ms / STEP_MS - 1e-9))
             if steps > params.min_new_tokens:
                 params = replace(params, min_new_tokens=steps)
+        queued_ms = 0.0
+        if self.settings.tell_engine_queued_audio:
+            held = sum(s.held_samples for s in self._streams)
+            queued_ms = (self._flow.left_estimate(now_s) + held) * 1000.0 / self.rate_hz
         out.append(StartStream(SpeechRequest(
             request_id=request_id,
             text=text,
@@ -880,6 +884,7 @@ class Session:
             params=params,
             sample_rate_hz=self.rate_hz,
             prefix_codes=prefix,
+            queued_audio_ms=queued_ms,
         ), first=first and resume is None))  # a resumed answer is already playing: admission lets it on
 
     def _urgent_margin_ms(self, now_s: float) -> float | None:

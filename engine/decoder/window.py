@@ -351,13 +351,17 @@ class ChunkPolicy:
 
 @dataclass
 class StreamLead:
-    """How far a stream's emitted audio is ahead of a listener who started playing at its first
-    chunk (pure: the caller passes ``now_s``). Feeds ``ChunkPolicy``'s ``lead_steps``."""
+    """How far a stream's emitted audio is ahead of a listener who starts playing it at its first
+    chunk, or once the audio queued ahead of it is played, whichever is later (pure: the caller
+    passes ``now_s``). Feeds ``ChunkPolicy``'s ``lead_steps``."""
 
     step_s: float
     """Seconds of audio per step."""
     emitted_steps: float = 0.0
     t_first_s: float | None = None
+    queued_until_s: float | None = None
+    """When the listener finishes the audio queued ahead of this stream (``now_s`` clock); None:
+    nothing is queued, the listener starts on the first chunk."""
 
     def emitted(self, steps: float, now_s: float) -> None:
         if steps <= 0:
@@ -367,7 +371,9 @@ class StreamLead:
         self.emitted_steps += steps
 
     def lead_steps(self, now_s: float) -> float | None:
-        """Emitted audio not yet played, in steps (None before the first chunk)."""
+        """Audio the listener has before this stream runs dry, in steps: the emitted audio not
+        yet played, plus what is still queued ahead of it (None before the first chunk)."""
         if self.t_first_s is None:
             return None
-        return self.emitted_steps - max(0.0, now_s - self.t_first_s) / self.step_s
+        t_play = self.t_first_s if self.queued_until_s is None else max(self.t_first_s, self.queued_until_s)
+        return self.emitted_steps - (now_s - t_play) / self.step_s

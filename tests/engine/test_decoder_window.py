@@ -10,6 +10,7 @@ from engine.decoder.window import (
     ChunkPolicy,
     DecoderGeometry,
     Reach,
+    StreamLead,
     WindowSpec,
     conv_reach,
 )
@@ -152,6 +153,26 @@ def test_a_stream_slower_than_real_time_gets_whole_chunks() -> None:
     assert p.idle_s(104, 100, 60.0, step_s, 30.0) == pytest.approx(0.75 * 12 / 30.0)
     assert off.idle_s(104, 100, 60.0, step_s, 30.0) == pytest.approx(0.75 * 12 / 30.0)  # lead 60 -> 16 too
     assert (p.steps_short(104, 100, 24.0, 0.64), off.steps_short(104, 100, 24.0, 0.64)) == (12, 8)
+
+
+def test_stream_lead_counts_the_audio_queued_ahead() -> None:
+    """``StreamLead.queued_until_s``: the listener starts on this stream once the audio ahead of it
+    is played, so until then the whole wait counts as lead; nothing queued (or already played by
+    the first chunk): the lead of a listener who starts on the first chunk."""
+    step_s = 0.02
+    plain = StreamLead(step_s)
+    queued = StreamLead(step_s, queued_until_s=11.0)  # 1 s of audio ahead, submitted at 10.0
+    late = StreamLead(step_s, queued_until_s=10.1)  # ran out before the first chunk came
+    for lead in (plain, queued, late):
+        assert lead.lead_steps(10.0) is None
+        lead.emitted(4, 10.2)
+    assert plain.lead_steps(10.3) == pytest.approx(4 - 5)
+    assert late.lead_steps(10.3) == pytest.approx(4 - 5)
+    assert queued.lead_steps(10.3) == pytest.approx(4 + 35)  # 0.7 s of the queue left + 4 steps
+    assert queued.lead_steps(11.06) == pytest.approx(4 - 3)
+    p = ChunkPolicy(first_chunk_steps=2, chunk_steps=16, lookahead_steps=8)
+    assert p.next_chunk_steps(4, queued.lead_steps(10.3)) == 16  # whole chunks from the start
+    assert p.next_chunk_steps(4, plain.lead_steps(10.3)) == p.min_chunk_steps
 
 
 def test_idle_s_reads_once_per_chunk_without_moving_a_forward() -> None:

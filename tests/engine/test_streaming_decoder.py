@@ -505,6 +505,25 @@ async def test_a_stream_slower_than_real_time_gets_whole_chunks(vocoders: dict) 
     assert min(sizes[0.0]) < 8 and len(sizes[0.0]) > len(sizes[1.0])
 
 
+async def test_a_segment_queued_behind_audio_starts_with_whole_chunks(vocoders: dict) -> None:
+    """``SpeechRequest.queued_audio_ms``: with 2 s of audio ahead of it, a segment's chunks after
+    the first are whole (``chunk_steps``) at once, even from an engine just above real time; with
+    nothing queued they start at ``min_chunk_steps`` and grow with the lead."""
+    voc = vocoders[("tiny", "codes")]
+    codes = np.random.default_rng(6).integers(0, 625, (60, 4))
+    sizes = {}
+    for queued_ms in (2000.0, 0.0):
+        eng = FakeCodeEngine({"a": codes}, piece=1, step_s=0.018)  # 1.2x real time
+        sp = await _speech(voc, eng)
+        try:
+            chunks = await _collect(sp, SpeechRequest("a", "x", queued_audio_ms=queued_ms))
+        finally:
+            await sp.close()
+        sizes[queued_ms] = [c.steps for c in chunks[1:-1]]
+    assert sizes[2000.0] and set(sizes[2000.0]) == {8}  # chunk_steps in _speech
+    assert sizes[0.0][0] == 3 and len(sizes[0.0]) > len(sizes[2000.0])
+
+
 @pytest.mark.parametrize("rate", [8000, 16000, 48000])
 async def test_speech_sample_rates(rate: int, vocoders: dict) -> None:
     voc = vocoders[("tiny", "codes")]

@@ -462,6 +462,25 @@ def test_a_later_segment_goes_before_its_sentence_ends_when_the_listener_is_abou
     assert later == [] and deadline == pytest.approx(0.4)
 
 
+def test_a_segment_request_carries_the_audio_the_listener_holds_ahead_of_it():
+    """``SpeechRequest.queued_audio_ms``: the client's buffer (extrapolated) and audio held unsent
+    when the segment is submitted, so the decoder can size its chunks by the listener's whole
+    lead; 0 for an utterance's first segment with nothing playing, and with the setting off."""
+    def run(tell: bool) -> tuple[float, float]:
+        h = Harness(limits={"flow_window_ms": 2_000}, tell_engine_queued_audio=tell,
+                    segmenter=SegmenterConfig(first_min_units=5, min_units=10, urgent_left_ms=400.0))
+        h.start()
+        (s1,) = starts(h.msg({"type": "text.delta", "text": "Sure thing, the old laptop usually ta"}, at=0.0))
+        h.audio(s1.request.request_id, 600, finished=True, at=0.1)  # sent at once: 600 ms ahead
+        (s2,) = starts(h.timer(0.301))  # the listener has ~399 ms left: the next segment goes
+        return s1.request.queued_audio_ms, s2.request.queued_audio_ms
+
+    first, later = run(True)
+    assert first == 0.0
+    assert later == pytest.approx(399.0, abs=2.0)
+    assert run(False) == (0.0, 0.0)
+
+
 def test_send_buffer_congestion_pauses_frames():
     h = Harness(limits={"flow_window_ms": 10_000})
     h.start()
