@@ -256,6 +256,10 @@ async def _child(args: argparse.Namespace) -> None:
     if args.engine in ("vllm", "reference", "native") and not args.model_dir:
         args.model_dir = generated_model_dir()
     cfg = _build_config(args)
+    if "gateway.log_level" in " ".join(args.set):  # --set gateway.log_level=INFO: the load lines too
+        import logging
+
+        logging.getLogger().setLevel(cfg.gateway.log_level.upper())
     eng = _make_engine(args.engine, cfg)
     await eng.start()
     stop = asyncio.Event()
