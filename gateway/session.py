@@ -873,10 +873,7 @@ class Session:
             steps = min(params.max_new_tokens - 1, math.ceil(seg.units * floor_ms / STEP_MS - 1e-9))
             if steps > params.min_new_tokens:
                 params = replace(params, min_new_tokens=steps)
-        queued_ms = 0.0
-        if self.settings.tell_engine_queued_audio:
-            held = sum(s.held_samples for s in self._streams)
-            queued_ms = (self._flow.left_estimate(now_s) + held) * 1000.0 / self.rate_hz
+        queued_ms = self._listener_left_ms(now_s) if self.settings.tell_engine_queued_audio else 0.0
         out.append(StartStream(SpeechRequest(
             request_id=request_id,
             text=text,
@@ -887,16 +884,19 @@ class Session:
             queued_audio_ms=queued_ms,
         ), first=first and resume is None))  # a resumed answer is already playing: admission lets it on
 
+    def _listener_left_ms(self, now_s: float) -> float:
+        """Audio the listener has left: what the client still has to play
+        (``FlowControl.left_estimate``) and what is held here unsent."""
+        held = sum(s.held_samples for s in self._streams)
+        return (self._flow.left_estimate(now_s) + held) * 1000.0 / self.rate_hz
+
     def _urgent_margin_ms(self, now_s: float) -> float | None:
-        """Audio the listener has left (what the client still has to play,
-        ``FlowControl.left_estimate``, and what is held here unsent) less
-        ``SegmenterConfig.urgent_left_ms``; None while a segment is generating or the rule is off.
-        Below 0: the next segment need not wait for a sentence end."""
+        """``_listener_left_ms`` less ``SegmenterConfig.urgent_left_ms``; None while a segment is
+        generating or the rule is off. Below 0: the next segment need not wait for a sentence end."""
         limit = self.settings.segmenter.urgent_left_ms
         if limit <= 0 or any(s.generating for s in self._streams):
             return None
-        held = sum(s.held_samples for s in self._streams)
-        return (self._flow.left_estimate(now_s) + held) * 1000.0 / self.rate_hz - limit
+        return self._listener_left_ms(now_s) - limit
 
     def _urgent(self, now_s: float) -> bool:
         margin = self._urgent_margin_ms(now_s)

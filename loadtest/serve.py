@@ -256,7 +256,7 @@ async def _child(args: argparse.Namespace) -> None:
     if args.engine in ("vllm", "reference", "native") and not args.model_dir:
         args.model_dir = generated_model_dir()
     cfg = _build_config(args)
-    if "gateway.log_level" in " ".join(args.set):  # --set gateway.log_level=INFO: the load lines too
+    if any(item.split("=", 1)[0] == "gateway.log_level" for item in args.set):  # its INFO load lines too
         import logging
 
         logging.getLogger().setLevel(cfg.gateway.log_level.upper())

@@ -225,8 +225,8 @@ def run_level(url: str, scenario: str, sessions: int, args: argparse.Namespace, 
         gw.rss.reset_peak()
     t = time.monotonic()
     result = run_scenario(params, url, args.workers)
-    wall = time.monotonic() - t
     t_end = time.monotonic()
+    wall = t_end - t
     gpu.sample()
     g = result["metrics"]["all"]
     errors = dict(g["errors"])
