@@ -6,7 +6,10 @@
    time (``B x chunk_steps / 46.875 / t``). On CUDA the forward is the bucket's CUDA graph in TF32;
    the baseline in the same run is the same window eager (what every forward cost before static
    shapes: the host launching each kernel), and a whole-utterance decode of 128 x 200 steps.
-2. **lookahead table** (``--lookaheads``): utterances of ``--steps`` steps streamed the way the
+2. **dtype** (``--dtypes``): the same window and batches with the stages computed in each dtype
+   (``engine.decoder_dtype``), against float32 (TF32 on CUDA) in the same run: ms per forward, the
+   speed ratio, and the samples' SNR in dB and max deviation relative to the float32 peak.
+3. **lookahead table** (``--lookaheads``): utterances of ``--steps`` steps streamed the way the
    gateway streams them (first chunk ``--first-chunk-steps``, then ``--chunk-steps``; the decoder
    process's own core, ``WorkerCore``), compared with the whole-utterance decode of the same
    codes: max absolute deviation (and relative to the whole decode's peak), SNR in dB, and the GPT
@@ -118,6 +121,44 @@ def speed(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
          "warm_up_s": round(warm_s, 2)}
     print(json.dumps(w), flush=True)
     rows.append(w)
+    return rows
+
+
+def dtype_table(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch
+
+    from engine.decoder.window import WindowSpec
+    from engine.decoder.windowed import WindowDecoder
+
+    g = voc.geometry
+    la = g.exact_lookahead_steps if args.lookahead < 0 else args.lookahead
+    spec = WindowSpec(g, args.chunk_steps, la)
+    batches = [int(b) for b in args.batches.split(",")]
+    rng = np.random.default_rng(1)
+    inputs = []
+    for b in batches:
+        start = rng.integers(0, 400, b)
+        inputs.append((rng.integers(0, 625, (b, spec.window_steps, 4)), start, start + spec.window_steps))
+    base: dict[int, tuple[float, np.ndarray]] = {}
+    rows = []
+    for dt in ["float32", *[d for d in args.dtypes.split(",") if d and d != "float32"]]:
+        dec = WindowDecoder(voc, spec, max(batches), compute_dtype=dt)
+        dec.warm_up()
+        sync = torch.cuda.synchronize if dec.cuda else (lambda: None)
+        for b, (x, start, end) in zip(batches, inputs, strict=True):
+            t = _timed(lambda x=x, start=start, end=end, dec=dec: dec.run(x, start, end), sync, args.repeats)
+            out = dec.run(x, start, end)
+            if dt == "float32":
+                base[b] = (t, out)
+            t0, ref = base[b]
+            err = out.astype(np.float64) - ref
+            snr = 10 * np.log10(float((ref.astype(np.float64) ** 2).sum()) / max(float((err ** 2).sum()), 1e-30))
+            row = {"dtype": dt, "batch": b, "ms": round(1e3 * t, 3), "speed_vs_float32": round(t0 / t, 2),
+                   "snr_db": round(min(snr, 300.0), 1),
+                   "max_dev_of_peak": round(float(np.abs(err).max() / max(np.abs(ref).max(), 1e-12)), 5)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del dec
     return rows
 
 
@@ -303,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-chunk-steps", type=int, default=4)
     ap.add_argument("--lookahead", type=int, default=8, help="window of the speed section [8: the default; -1: exact]")
     ap.add_argument("--lookaheads", default="0,2,4,8,16,52")
+    ap.add_argument("--dtypes", default="bfloat16,float16", help="dtype section: compared with float32")
     ap.add_argument("--steps", type=int, default=200, help="steps per utterance (table)")
     ap.add_argument("--utterances", type=int, default=8)
     ap.add_argument("--step-ms", type=float, default=2.0, help="GPT ms per step at 1 stream (table's ms column)")
@@ -327,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     sections = set(args.sections.split(","))
     if "speed" in sections:
         res["speed"] = speed(voc, args)
+    if "dtype" in sections:
+        res["dtype"] = dtype_table(voc, args)
     if "table" in sections:
         res["lookahead"] = lookahead_table(voc, args)
     if "placement" in sections:

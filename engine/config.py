@@ -71,6 +71,7 @@ class EngineConfig(Checked):
         "backend": ("auto", *BACKENDS),
         "device": ("auto", "cpu", "cuda"),
         "dtype": ("auto", "float32", "bfloat16", "float16"),
+        "decoder_dtype": ("float32", "bfloat16", "float16"),
     }
     _positive: ClassVar[frozenset[str]] = frozenset({
         "max_num_seqs", "max_num_batched_tokens", "kv_cache_gib", "max_model_len", "restart_backoff_s",
@@ -151,6 +152,10 @@ class EngineConfig(Checked):
     that environment variable, when set, wins). The worker's OpenMP threads spin, so a worker on
     every core starves the decoder, the gateway and anything else on the host (a browser) while it
     generates; 0 gives the GPT worker every core (GPT-only benchmarks; bench/RESULTS.md)."""
+    decoder_dtype: str = "float32"
+    """Decoder: dtype its convolutions and matmuls compute in (autocast; the overlap-add and the
+    returned samples stay float32). ``float32`` runs TF32 on a CUDA GPU; ``bfloat16`` / ``float16``
+    halve the bytes each forward moves."""
     decoder_torch_threads: int = 1
     """Torch intra-op threads of the decoder process (and of the in-process ``reference`` GPT); 0 keeps
     torch's default. 1 is fastest for the small per-chunk forwards on CPU."""

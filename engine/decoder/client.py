@@ -86,6 +86,8 @@ class DecoderSettings:
     slots: int = 128
     max_steps: int = 2048
     torch_threads: int = 1
+    dtype: str = "float32"
+    """``EngineConfig.decoder_dtype``."""
     out_cap_steps: int = 0
     """Steps of samples one job may return (0: 2 x chunk_steps; ``job_cap_steps`` resolves it)."""
     start_timeout_s: float = 600.0
@@ -449,7 +451,7 @@ def spawn_worker(s: DecoderSettings, theirs: list[socket.socket], shm_path: str,
         "fds": [t.fileno() for t in theirs], "model_dir": s.model_dir, "use_hidden": s.use_hidden,
         "device": s.device, "chunk_steps": s.chunk_steps, "lookahead_steps": s.lookahead_steps,
         "max_batch": s.max_batch, "slots": slots_per_client * len(theirs), "slots_per_client": slots_per_client,
-        "max_steps": s.max_steps, "torch_threads": s.torch_threads, "out_cap_steps": s.job_cap_steps,
+        "max_steps": s.max_steps, "torch_threads": s.torch_threads, "dtype": s.dtype, "out_cap_steps": s.job_cap_steps,
         "shm_path": shm_path,
     }
     from engine.lifeline import child_env

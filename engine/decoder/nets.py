@@ -214,7 +214,7 @@ class VocosNet(nn.Module):
     def head_frames(self, x: Tensor) -> Tensor:
         """Backbone features ``[B, dim, L]`` (before final norm) -> windowed ISTFT frames ``[B, n_fft, L]``."""
         z = self.backbone.final_layer_norm(x.transpose(1, 2))
-        z = self.head.out(z).transpose(1, 2)
+        z = self.head.out(z).transpose(1, 2).float()  # the spectrum and its inverse in float32 under autocast
         mag, p = z.chunk(2, dim=1)
         mag = torch.clip(torch.exp(mag), max=1e2)
         spec = mag * (torch.cos(p) + 1j * torch.sin(p))

@@ -10,8 +10,8 @@ envelope, so a row at the start or the end of an utterance is exact too.
 
 Shapes never change: a batch of ``B`` rows runs in the smallest bucket (powers of two up to
 ``max_batch``) that holds it, padded with empty rows. On CUDA each bucket is one CUDA graph,
-captured at ``warm_up`` and replayed (TF32 matmuls and convolutions); on CPU the same code runs
-eager. One host-to-device copy of the inputs and one device-to-host copy of the samples per
+captured at ``warm_up`` and replayed (TF32 matmuls and convolutions, or ``compute_dtype`` under
+autocast); on CPU the same code runs eager. One host-to-device copy of the inputs and one device-to-host copy of the samples per
 forward; nothing in between reads the device.
 """
 
@@ -48,14 +48,18 @@ class _Bucket:
 class WindowDecoder:
     """See the module docstring. Not thread-safe: the decoder process calls it from one thread."""
 
-    def __init__(self, vocoder: Vocoder, spec: WindowSpec, max_batch: int) -> None:
+    def __init__(self, vocoder: Vocoder, spec: WindowSpec, max_batch: int, compute_dtype: str = "float32") -> None:
         if max_batch < 1:
             raise ValueError("max_batch >= 1")
+        if compute_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"compute_dtype: float32, bfloat16 or float16, got {compute_dtype!r}")
         self.voc = vocoder
         self.spec = spec
         g = spec.geometry
         p = next(vocoder.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.compute_dtype: torch.dtype = getattr(torch, compute_dtype)
+        """The stages' dtype (autocast when it differs from the weights'); the overlap-add is float32."""
         self.cuda = self.device.type == "cuda"
         self.step_dim = vocoder.front.step_dim
         self.max_batch = max_batch
@@ -89,9 +93,18 @@ class WindowDecoder:
         feats = voc.front.step_features(x.reshape(b * w, -1))
         y = feats.reshape(b, w * fps, voc.front.in_dim).transpose(1, 2)
         pos = fps * start[:, None] + self._frame_idx[None, :]
-        mask = ((pos >= 0) & (pos < fps * end[:, None])).to(self.dtype)[:, None, :]
-        for stage in voc.stages:
-            y = stage.padded(y * mask)
+        inside = ((pos >= 0) & (pos < fps * end[:, None]))[:, None, :]
+        mask = inside.to(self.dtype)
+        if self.compute_dtype == self.dtype:
+            for stage in voc.stages:
+                y = stage.padded(y * mask)
+        else:
+            m = inside.to(self.compute_dtype)
+            with torch.autocast(self.device.type, dtype=self.compute_dtype):
+                y = y.to(self.compute_dtype)
+                for stage in voc.stages:
+                    y = stage.padded(y * m)
+            y = y.float()
         frames = y * mask
         acc = F.fold(frames, (1, self._total), (1, g.n_fft), stride=(1, g.hop))[:, 0, 0]
         env = F.fold(self._win_sq * mask, (1, self._total), (1, g.n_fft), stride=(1, g.hop))[:, 0, 0]

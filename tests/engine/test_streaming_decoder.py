@@ -350,6 +350,27 @@ def test_default_lookahead_deviation(vocoders: dict) -> None:
         assert np.abs(err).max() <= 0.03 * np.abs(whole).max()
 
 
+@pytest.mark.parametrize(("dtype", "min_snr_db"), [("bfloat16", 35.0), ("float16", 50.0)])
+def test_decoder_dtype_stays_close_to_float32(dtype: str, min_snr_db: float, vocoders: dict) -> None:
+    """``engine.decoder_dtype``: the stages computed in half precision under autocast, the
+    overlap-add in float32, on the full-size checkpoint with strong layer scales: float32 samples
+    out, within ``min_snr_db`` of the float32 forward (bench/decoder_bench.py's dtype section
+    measures about 41 and 59 dB), rows at the utterance's start and end included."""
+    voc = vocoders[("full", "codes")]
+    spec = WindowSpec(voc.geometry, 16, 8)
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 625, (4, spec.window_steps, voc.front.step_dim))
+    start = np.array([-spec.left_steps, 0, 40, 100])
+    end = start + np.array([spec.window_steps, spec.window_steps, 30, spec.window_steps])
+    ref = WindowDecoder(voc, spec, 4).run(x, start, end)
+    out = WindowDecoder(voc, spec, 4, compute_dtype=dtype).run(x, start, end)
+    assert out.dtype == np.float32 and out.shape == ref.shape and np.isfinite(out).all()
+    err = out - ref
+    assert 10 * np.log10(np.sum(ref**2) / np.sum(err**2)) >= min_snr_db
+    with pytest.raises(ValueError, match="compute_dtype"):
+        WindowDecoder(voc, spec, 4, compute_dtype="int8")
+
+
 # --------------------------------------------------------------------------- the decoder process
 
 
@@ -367,7 +388,7 @@ async def test_client_streams_equal_whole(model_dirs: dict) -> None:
     voc = load_vocoder(model_dirs["tiny"])
     c = await _client(model_dirs["tiny"])
     try:
-        assert c.healthy and c.geometry == voc.geometry and c.info["exact"]
+        assert c.healthy and c.geometry == voc.geometry and c.info["exact"] and c.info["dtype"] == "float32"
         xs = [_inputs(voc, n, seed=n) for n in (1, 20, 77, 130)]
 
         async def one(x: np.ndarray) -> np.ndarray:
@@ -567,6 +588,7 @@ def test_chunk_policy_from_config(vocoders: dict) -> None:
     p = chunk_policy(EngineConfig(), g.exact_lookahead_steps)
     assert p == ChunkPolicy(2, 16, 8, full_below_x=1.0)  # the defaults (docs/decoder.md: chunking and the lookahead table)
     assert chunk_policy(EngineConfig(decoder_lookahead_steps=-1), g.exact_lookahead_steps).lookahead_steps == 52
+    assert build_decoder(EngineConfig(decoder_dtype="float16"), "m").settings.dtype == "float16"
 
 
 class _Recorder:
