@@ -2,6 +2,8 @@
 # The capacity measurement on one GPU host, in ONE call (after the calls that carry the vLLM parts
 # .gpu1..N made by bench/gpu_stage.sh). Carry: .gpudeps .gpuw .gpukit. Everything lands under $OUT.
 #   1. host setup (bench/gpu_host_setup.sh);
+#   1b. when DECODER_BENCH is set (bench.decoder_bench arguments, e.g. "--sections dtype --batches 64,256"):
+#      the decoder alone, before any gateway (decoder.json);
 #   2. the engine floor (bench.engine_bench through bench.gpu_e2e's floor phase) at FLOOR_C streams;
 #   3. `voicegw serve` with its own defaults under the conversation workload (bench.gpu_e2e e2e phase,
 #      levels SESSIONS, closed loop THROUGHPUT sessions), py-spy of every engine core, the newest decoder and
@@ -32,6 +34,11 @@ python3 -c "import vllm, ChatTTS; print('vllm', vllm.__version__)" >> "$RES/setu
 echo "setup done in $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
 python3 -m pip install -q --no-index --no-deps --target /tmp/spy .gpuw/py_spy-*.whl >> "$RES/setup.log" 2>&1
 SPY=$(ls /tmp/spy/bin/py-spy 2>/dev/null || echo py-spy)
+if [ -n "${DECODER_BENCH:-}" ]; then
+  timeout 240 python3 -m bench.decoder_bench --device cuda $DECODER_BENCH --json-out "$OUT/decoder.json" \
+    > "$RES/decoder.log" 2>&1
+  echo "decoder_bench rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"; cp "$RES/decoder.log" "$OUT/"
+fi
 nvidia-smi dmon -s u -d 1 > "$RES/dmon.txt" 2>&1 &
 DMON=$!
 
