@@ -1,7 +1,8 @@
 """The streaming decoder alone: speed of the static-shape forward, and the lookahead table.
 
-1. **speed** (``WindowDecoder``, the default window: ``--chunk-steps`` new steps, the exact left
-   context, ``--lookahead`` steps after): ms per forward at each ``--batches`` (inputs copied in,
+1. **speed** (``WindowDecoder``, the default window: ``--left-steps`` of left context,
+   ``--chunk-steps`` new steps, ``--lookahead`` steps after; beside it, the same window with the
+   exact left reach, in the same run): ms per forward at each ``--batches`` (inputs copied in,
    samples copied out, as the decoder process does), and the audio it makes in multiples of real
    time (``B x chunk_steps / 46.875 / t``). On CUDA the forward is the bucket's CUDA graph in TF32;
    the baseline in the same run is the same window eager (what every forward cost before static
@@ -85,19 +86,27 @@ def speed(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
 
     g = voc.geometry
     la = g.exact_lookahead_steps if args.lookahead < 0 else args.lookahead
-    spec = WindowSpec(g, args.chunk_steps, la)
+    spec = WindowSpec(g, args.chunk_steps, la, left_context_steps=args.left_steps)
     batches = [int(b) for b in args.batches.split(",")]
     dec = WindowDecoder(voc, spec, max(batches))
     t0 = time.perf_counter()
     dec.warm_up()
     warm_s = time.perf_counter() - t0
+    full = None  # the baseline: the same window with the exact left reach
+    if spec.left_steps != g.exact_left_steps:
+        full = WindowDecoder(voc, WindowSpec(g, args.chunk_steps, la), max(batches))
+        full.warm_up()
     sync = torch.cuda.synchronize if dec.cuda else (lambda: None)
     rng = np.random.default_rng(0)
     rows = []
     for b in batches:
-        x = rng.integers(0, 625, (b, spec.window_steps, 4))
+        x = rng.integers(0, 625, (b, g.exact_left_steps + args.chunk_steps + la, 4))
         start = rng.integers(0, 400, b)
         end = start + spec.window_steps
+        t_full = None
+        if full is not None:
+            t_full = _timed(lambda x=x, start=start, end=end, d=full: d.run(x, start, end), sync, args.repeats)
+        x = x[:, : spec.window_steps]
         t_graph = _timed(lambda x=x, start=start, end=end: dec.run(x, start, end), sync, args.repeats)
         xt = torch.from_numpy(x).to(dec.device)
         st, en = torch.from_numpy(start).to(dec.device), torch.from_numpy(end).to(dec.device)
@@ -107,6 +116,9 @@ def speed(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
                "ms": round(1e3 * t_graph, 3), "x_real_time": round(b * spec.chunk_steps / STEPS_PER_S / t_graph, 1),
                "eager_ms": round(1e3 * t_eager, 3), "speedup_vs_eager": round(t_eager / t_graph, 2),
                "graphs": dec.cuda}
+        if t_full is not None:
+            row.update({"exact_left_window_steps": g.exact_left_steps + args.chunk_steps + la,
+                        "exact_left_ms": round(1e3 * t_full, 3), "speedup_vs_exact_left": round(t_full / t_graph, 2)})
         rows.append(row)
         print(json.dumps(row), flush=True)
     with torch.inference_mode():
@@ -132,7 +144,7 @@ def dtype_table(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
 
     g = voc.geometry
     la = g.exact_lookahead_steps if args.lookahead < 0 else args.lookahead
-    spec = WindowSpec(g, args.chunk_steps, la)
+    spec = WindowSpec(g, args.chunk_steps, la, left_context_steps=args.left_steps)
     batches = [int(b) for b in args.batches.split(",")]
     rng = np.random.default_rng(1)
     inputs = []
@@ -162,6 +174,19 @@ def dtype_table(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _left_only_spec() -> Any:
+    from engine.decoder.window import WindowSpec
+
+    class LeftOnly(WindowSpec):
+        """The exact lookahead with a shorter left context: the left context's own error, alone."""
+
+        @property
+        def left_steps(self) -> int:
+            return min(self.left_context_steps, self.geometry.exact_left_steps)
+
+    return LeftOnly
+
+
 def lookahead_table(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
@@ -170,13 +195,19 @@ def lookahead_table(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     from engine.decoder.worker import WorkerCore
 
     g = voc.geometry
+    left_only = _left_only_spec()
     rng = np.random.default_rng(1)
     utts = [rng.integers(0, 625, (args.steps, 4)) for _ in range(args.utterances)]
     wholes = [voc.decode_whole(torch.from_numpy(x).to(next(voc.parameters()).device)).cpu().numpy() for x in utts]
     out = []
-    for la in [int(v) for v in args.lookaheads.split(",")]:
-        la = min(la, g.exact_lookahead_steps)
-        spec = WindowSpec(g, args.chunk_steps, la)
+    exact_la = g.exact_lookahead_steps
+    pairs = [(min(int(v), exact_la), args.left_steps) for v in args.lookaheads.split(",")]
+    for la in (exact_la, exact_la if args.lookahead < 0 else args.lookahead):
+        pairs += [(la, int(v)) for v in args.lefts.split(",") if (la, int(v)) not in pairs]
+    for la, left in pairs:
+        spec = WindowSpec(g, args.chunk_steps, la, left_context_steps=left)
+        if la >= exact_la and left != -1:  # exact mode ignores the setting: the left context's own error
+            spec = left_only(g, args.chunk_steps, la, left_context_steps=left)
         dec = WindowDecoder(voc, spec, 8)
         dec.warm_up()
         buf = np.zeros((1, 4 * args.chunk_steps * g.samples_per_step), np.float32)
@@ -205,7 +236,8 @@ def lookahead_table(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
             rels.append(float(np.abs(err).max() / max(1e-12, np.abs(whole).max())))
             snrs.append(float(10 * np.log10(np.sum(whole**2) / max(1e-30, np.sum(err**2)))))
         first_steps = args.first_chunk_steps + la
-        row = {"lookahead_steps": la, "exact": spec.exact, "max_dev": round(max(devs), 6),
+        row = {"lookahead_steps": la, "left_steps": spec.left_steps,
+               "exact": spec.exact and spec.left_steps == g.exact_left_steps, "max_dev": round(max(devs), 6),
                "max_dev_rel_peak": round(max(rels), 5), "snr_db_min": round(min(snrs), 1),
                "snr_db_median": round(statistics.median(snrs), 1), "first_audio_steps": first_steps,
                "first_audio_gpt_ms": round(first_steps * args.step_ms, 1), "window_steps": spec.window_steps}
@@ -283,7 +315,7 @@ def placement(voc: Any, args: argparse.Namespace, model_dir: Path) -> list[dict[
     async def in_thread() -> dict[str, Any]:
         from concurrent.futures import ThreadPoolExecutor
 
-        spec = WindowSpec(g, args.chunk_steps, la)
+        spec = WindowSpec(g, args.chunk_steps, la, left_context_steps=args.left_steps)
         dec = WindowDecoder(voc, spec, streams)
         dec.warm_up()
         ex = ThreadPoolExecutor(1)
@@ -334,6 +366,8 @@ def placement(voc: Any, args: argparse.Namespace, model_dir: Path) -> list[dict[
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.config import EngineConfig
+
     ap = argparse.ArgumentParser(prog="python -m bench.decoder_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", default=None)
@@ -344,6 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-chunk-steps", type=int, default=4)
     ap.add_argument("--lookahead", type=int, default=8, help="window of the speed section [8: the default; -1: exact]")
     ap.add_argument("--lookaheads", default="0,2,4,8,16,52")
+    ap.add_argument("--left-steps", type=int, default=EngineConfig().decoder_left_steps,
+                    help="left context in lookahead mode (-1: the exact reach)")
+    ap.add_argument("--lefts", default="52,32,24,16,8",
+                    help="table: left contexts, at the exact lookahead (their own error) and at --lookahead")
     ap.add_argument("--dtypes", default="bfloat16,float16", help="dtype section: compared with float32")
     ap.add_argument("--steps", type=int, default=200, help="steps per utterance (table)")
     ap.add_argument("--utterances", type=int, default=8)

@@ -147,6 +147,12 @@ class EngineConfig(Checked):
     samples are decoded as if the utterance ended at the newest step, and seams are crossfaded.
     8 is the smallest lookahead that stays close to the exact decode (bench/decoder_bench.py,
     docs/decoder.md)."""
+    decoder_left_steps: int = 24
+    """Decoder: steps of left context each window decodes in lookahead mode (-1: the exact left
+    reach, 52 steps for ChatTTS); exact mode always takes the exact reach. Every forward costs
+    ``left + chunk_steps + lookahead`` steps of decoding: 24 makes the default window 48 steps
+    instead of 76, with samples equal to the exact-left decode's to float32 noise on the bench's
+    full-size checkpoint (docs/decoder.md, "The left context: measured")."""
     cpu_reserved_cores: int = 1
     """vLLM on CPU: cores kept out of the GPT worker's OpenMP pool (``VLLM_CPU_NUM_OF_RESERVED_CPU``;
     that environment variable, when set, wins). The worker's OpenMP threads spin, so a worker on
@@ -181,6 +187,8 @@ class EngineConfig(Checked):
             self._fail(name, f"must be in (0, 1], got {value!r}")
         if name == "decoder_lookahead_steps" and value < -1:
             self._fail(name, f"must be >= -1 (-1 = exact), got {value!r}")
+        if name == "decoder_left_steps" and value != -1 and value < 4:
+            self._fail(name, f"must be -1 (the exact reach) or >= 4, got {value!r}")
         if name == "full_chunks_below_x" and value < 0:
             self._fail(name, f"must be >= 0 (0 = off), got {value!r}")
         if name == "decoder_torch_threads" and value < 0:

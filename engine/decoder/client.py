@@ -82,6 +82,8 @@ class DecoderSettings:
     device: str = "cpu"
     chunk_steps: int = 16
     lookahead_steps: int = -1
+    left_steps: int = -1
+    """``EngineConfig.decoder_left_steps``."""
     max_batch: int = 64
     slots: int = 128
     max_steps: int = 2048
@@ -450,7 +452,8 @@ def spawn_worker(s: DecoderSettings, theirs: list[socket.socket], shm_path: str,
     args = {
         "fds": [t.fileno() for t in theirs], "model_dir": s.model_dir, "use_hidden": s.use_hidden,
         "device": s.device, "chunk_steps": s.chunk_steps, "lookahead_steps": s.lookahead_steps,
-        "max_batch": s.max_batch, "slots": slots_per_client * len(theirs), "slots_per_client": slots_per_client,
+        "left_steps": s.left_steps, "max_batch": s.max_batch, "slots": slots_per_client * len(theirs),
+        "slots_per_client": slots_per_client,
         "max_steps": s.max_steps, "torch_threads": s.torch_threads, "dtype": s.dtype, "out_cap_steps": s.job_cap_steps,
         "shm_path": shm_path,
     }

@@ -146,16 +146,23 @@ class WindowSpec:
     them. With ``lookahead_steps >= geometry.exact_lookahead_steps`` a row's samples equal the
     whole-utterance decode's (exact mode); below, the newest samples are decoded as if the
     utterance ended at the newest step (provisional), and each row's first ``crossfade_samples``
-    blend from the previous row's continuation so the seam does not click."""
+    blend from the previous row's continuation so the seam does not click, and the left context may
+    be shorter than the exact left reach (``left_context_steps``): a sample's dependence on distant
+    input decays fast, far faster than the reach (docs/decoder.md, "The left context: measured")."""
 
     geometry: DecoderGeometry
     chunk_steps: int
     lookahead_steps: int
     crossfade_samples: int = 256
+    left_context_steps: int = -1
+    """Steps of left context in lookahead mode (-1: the exact left reach). Exact mode always takes
+    the exact left reach, so its rows stay equal to the whole decode."""
 
     def __post_init__(self) -> None:
         if self.chunk_steps < 1 or self.lookahead_steps < 0 or self.crossfade_samples < 0:
             raise ValueError(f"bad window: chunk {self.chunk_steps}, lookahead {self.lookahead_steps}")
+        if self.left_context_steps < -1 or self.left_context_steps == 0:
+            raise ValueError(f"bad window: left context {self.left_context_steps} (-1: exact, else >= 1)")
         if self.crossfade_samples > self.geometry.n_fft - self.geometry.hop:
             raise ValueError("crossfade longer than the ISTFT overlap")
 
@@ -165,7 +172,10 @@ class WindowSpec:
 
     @property
     def left_steps(self) -> int:
-        return self.geometry.exact_left_steps
+        exact_left = self.geometry.exact_left_steps
+        if self.exact or self.left_context_steps < 0:
+            return exact_left
+        return min(self.left_context_steps, exact_left)
 
     @property
     def window_steps(self) -> int:

@@ -269,7 +269,7 @@ def serve(args: dict[str, Any], socks: list[socket.socket]) -> None:
     la = int(args.get("lookahead_steps", -1))
     if la < 0 or la > geo.exact_lookahead_steps:
         la = geo.exact_lookahead_steps
-    spec = WindowSpec(geo, int(args["chunk_steps"]), la)
+    spec = WindowSpec(geo, int(args["chunk_steps"]), la, left_context_steps=int(args.get("left_steps", -1)))
     max_batch = int(args["max_batch"])
     dec = WindowDecoder(voc, spec, max_batch, compute_dtype=str(args.get("dtype") or "float32"))
     dec.warm_up()
@@ -285,7 +285,7 @@ def serve(args: dict[str, Any], socks: list[socket.socket]) -> None:
         "step_dim": dec.step_dim, "uses_codes": voc.uses_codes, "code_limit": limit,
         "frames_per_step": geo.frames_per_step, "n_fft": geo.n_fft, "hop": geo.hop,
         "stage_reaches": [[r.left, r.right] for r in geo.stage_reaches],
-        "lookahead_steps": la, "exact": spec.exact, "window_steps": spec.window_steps,
+        "lookahead_steps": la, "exact": spec.exact, "window_steps": spec.window_steps, "left_steps": spec.left_steps,
         "buckets": dec.buckets, "device": device, "dtype": str(dec.compute_dtype).removeprefix("torch."), "pid": os.getpid(), "clients": len(socks),
     }
     live: dict[int, socket.socket] = dict(enumerate(socks))

@@ -101,6 +101,20 @@ def test_window_spec_shape() -> None:
         la4.rows(5, 4, 10, False)
 
 
+def test_window_left_context() -> None:
+    """``left_context_steps`` shortens the window in lookahead mode only; exact mode keeps the exact
+    left reach (its rows equal the whole decode), and no setting widens it past that reach."""
+    g = _full()
+    short = WindowSpec(g, 16, 8, left_context_steps=24)
+    assert short.left_steps == 24 and short.window_steps == 48 and short.out_offset == 24 * 512 + 512
+    assert WindowSpec(g, 16, 52, left_context_steps=24).left_steps == 52  # exact mode
+    assert WindowSpec(g, 16, 8, left_context_steps=80).left_steps == 52
+    assert WindowSpec(g, 16, 8).left_steps == 52  # -1: the exact reach
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="left context"):
+            WindowSpec(g, 16, 8, left_context_steps=bad)
+
+
 def test_chunk_policy_sequence() -> None:
     p = ChunkPolicy(first_chunk_steps=6, chunk_steps=16, lookahead_steps=10)
     assert p.first_audio_steps() == 16

@@ -111,11 +111,11 @@ def _whole(voc: Vocoder, x: np.ndarray) -> np.ndarray:
     return voc.decode_whole(torch.from_numpy(x)).numpy()
 
 
-def _core(voc: Vocoder, la: int, chunk: int = 16, max_batch: int = 8, slots: int = 4) -> WorkerCore:
+def _core(voc: Vocoder, la: int, chunk: int = 16, max_batch: int = 8, slots: int = 4, left: int = -1) -> WorkerCore:
     """The decoder process's core, in this process (no socket)."""
     g = voc.geometry
     la = g.exact_lookahead_steps if la < 0 else la
-    spec = WindowSpec(g, chunk, la)
+    spec = WindowSpec(g, chunk, la, left_context_steps=left)
     dec = WindowDecoder(voc, spec, max_batch)
     dec.warm_up()
     out = np.zeros((slots, 4 * chunk * g.samples_per_step), np.float32)
@@ -334,12 +334,13 @@ def test_provisional_mode(vocoders: dict) -> None:
 
 
 def test_default_lookahead_deviation(vocoders: dict) -> None:
-    """The default lookahead (8 steps) with the default chunks (2, then 16) on the full-size
-    checkpoint with strong layer scales: within 40 dB SNR of the exact decode, max deviation under
-    3% of the peak (bench/decoder_bench.py measures 43.6 dB, 2.3%)."""
+    """The default lookahead (8 steps) and left context (24 steps) with the default chunks (2, then
+    16) on the full-size checkpoint with strong layer scales: within 40 dB SNR of the exact decode,
+    max deviation under 3% of the peak (bench/decoder_bench.py measures 43.6 dB, 2.3%)."""
     cfg = EngineConfig()
     voc = vocoders[("full", "codes")]
-    core = _core(voc, cfg.decoder_lookahead_steps, chunk=cfg.chunk_steps)
+    core = _core(voc, cfg.decoder_lookahead_steps, chunk=cfg.chunk_steps, left=cfg.decoder_left_steps)
+    assert core.spec.left_steps == 24
     for seed in (21, 22):
         x = _inputs(voc, 150, seed=seed)
         whole = _whole(voc, x)
@@ -369,6 +370,23 @@ def test_decoder_dtype_stays_close_to_float32(dtype: str, min_snr_db: float, voc
     assert 10 * np.log10(np.sum(ref**2) / np.sum(err**2)) >= min_snr_db
     with pytest.raises(ValueError, match="compute_dtype"):
         WindowDecoder(voc, spec, 4, compute_dtype="int8")
+
+
+def test_default_left_context_is_float32_exact(vocoders: dict) -> None:
+    """The default left context (24 of the 52 steps the reach allows), alone: with a lookahead one
+    step short of exact, the streamed samples equal the whole decode's to float32 noise on the
+    full-size checkpoint with strong layer scales (the reach is a bound; the dependence on distant
+    input decays far sooner: docs/decoder.md, "The left context: measured"), while 8 steps would not."""
+    voc = vocoders[("full", "codes")]
+    g = voc.geometry
+    x = _inputs(voc, 120, seed=31)
+    whole = _whole(voc, x)
+    snr = {}
+    for left in (EngineConfig().decoder_left_steps, 8):
+        core = _core(voc, g.exact_lookahead_steps - 1, left=left)
+        out, _ = _stream(core, x, [10] + [16] * 6 + [120 - 10 - 96])
+        snr[left] = 10 * np.log10(np.sum(whole**2) / np.sum((out - whole) ** 2))
+    assert snr[24] >= 100.0 > 60.0 > snr[8], snr
 
 
 # --------------------------------------------------------------------------- the decoder process
