@@ -407,6 +407,7 @@ async def test_client_streams_equal_whole(model_dirs: dict) -> None:
     c = await _client(model_dirs["tiny"])
     try:
         assert c.healthy and c.geometry == voc.geometry and c.info["exact"] and c.info["dtype"] == "float32"
+        assert c.info["left_steps"] == voc.geometry.exact_left_steps
         xs = [_inputs(voc, n, seed=n) for n in (1, 20, 77, 130)]
 
         async def one(x: np.ndarray) -> np.ndarray:
@@ -436,6 +437,15 @@ async def test_client_streams_equal_whole(model_dirs: dict) -> None:
         assert c.free_slots == 4 and (await c.worker_stats())["jobs"] >= 4
         with pytest.raises(Exception, match="out of range"):
             await c.open_stream().push(np.full((2, 4), 625))
+    finally:
+        await c.close()
+
+
+async def test_client_left_context_reaches_the_worker(model_dirs: dict) -> None:
+    """``DecoderSettings.left_steps`` (``engine.decoder_left_steps``) sizes the worker's windows."""
+    c = await _client(model_dirs["full"], lookahead_steps=8, left_steps=24)
+    try:
+        assert c.info["left_steps"] == 24 and c.info["window_steps"] == 24 + 8 + 8 and not c.info["exact"]
     finally:
         await c.close()
 
@@ -606,7 +616,8 @@ def test_chunk_policy_from_config(vocoders: dict) -> None:
     p = chunk_policy(EngineConfig(), g.exact_lookahead_steps)
     assert p == ChunkPolicy(2, 16, 8, full_below_x=1.0)  # the defaults (docs/decoder.md: chunking and the lookahead table)
     assert chunk_policy(EngineConfig(decoder_lookahead_steps=-1), g.exact_lookahead_steps).lookahead_steps == 52
-    assert build_decoder(EngineConfig(decoder_dtype="float16"), "m").settings.dtype == "float16"
+    settings = build_decoder(EngineConfig(decoder_dtype="float16"), "m").settings
+    assert settings.dtype == "float16" and settings.left_steps == 24 and settings.lookahead_steps == 8
 
 
 class _Recorder:
