@@ -16,7 +16,8 @@
 # Timing seen on H100/H200 hosts: the first call on a fresh machine spends ~70 s in setup (the full
 # checkpoint is made once, 47 s) and its first gateway starts cold (torch.compile, graph capture:
 # 130-160 s); later gateways on the same machine start in 80-90 s. A 40-s level takes ~55 s with its
-# settle, the 40-s closed loop ~60 s; gpu_e2e skips (and records as skipped) a level it has no time for.
+# settle, the 40-s closed loop ~60 s; gpu_e2e skips (and records as skipped) a level it has no time for,
+# and does not start a gateway that could not run one level after its start (--start-estimate-s).
 # So in a first call, give the first gateway A_MAX_S >= 330 for one 400/10 level, >= 400 with the closed loop.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,11 +61,15 @@ run_e2e() {  # $1: tag, $2: phases, $3: sessions, $4: closed-loop sessions, rest
   local cap=$(( $(left) - ${RESERVE_S:-20} )); [ -n "${MAX_S:-}" ] && [ "$MAX_S" -lt "$cap" ] && cap=$MAX_S
   local M; M=$(python3 -c "print(round($cap / 60, 2))")
   spy_during "$RES/$tag.log" "$tag"
+  # a gateway that cannot also run one level in the time left is not started (first start on a machine: ~165 s)
+  local est=165; [ -f /tmp/voicegw-gateway-started ] && est=95
   timeout $(( cap + 10 )) python3 -m bench.gpu_e2e --phases "$phases" --fresh --workload conversation \
+    --start-estimate-s "$est" \
     --floor-concurrency "${FLOOR_C:-1,400,512}" --floor-steps 256 --floor-max-seconds 25 --sessions "$sessions" \
     --compare-concurrency "" --throughput-sessions "$thr" --warmup-s 4 --max-minutes "$M" --out "$RES/$tag" "$@" \
     > "$RES/$tag.log" 2>&1
   echo "gpu_e2e $tag rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$RES/setup.log"
+  grep -q "healthy in" "$RES/$tag.log" && touch /tmp/voicegw-gateway-started
   cp "$RES/$tag/gpu_e2e.json" "$OUT/gpu_e2e-$tag.json" 2>/dev/null
   cp "$RES/$tag/gpu_e2e.md" "$OUT/gpu_e2e-$tag.md" 2>/dev/null
 }

@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gateway-arg", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="extra gateway setting (repeatable)")
     g.add_argument("--start-timeout", type=float, default=420.0, help="seconds for a gateway to become healthy")
+    g.add_argument("--start-estimate-s", type=float, default=0.0,
+                   help="seconds a gateway start is expected to take: a gateway is not started when that "
+                        "and its first level do not fit the time left (0: always start)")
     g = ap.add_argument_group("floor")
     g.add_argument("--floor-concurrency", default=None, help="[GPU 1,64,256; CPU 1,4]")
     g.add_argument("--floor-steps", type=int, default=None, help="GPT steps per request [GPU 128, CPU 24]")

@@ -188,6 +188,12 @@ def _start_gateway(args: argparse.Namespace, budget: Budget, dp: int, name: str,
     if timeout < 30:
         info["error"] = "no time left to start the gateway"
         return None
+    first_level_s = level_estimate_s(args.duration, args.settle, 1)
+    if args.start_estimate_s and not budget.fits(args.start_estimate_s + first_level_s):
+        info["error"] = (f"not started: a start (~{args.start_estimate_s:.0f} s) and one level (~{first_level_s:.0f} s) "
+                         f"do not fit the {max(0.0, budget.left()):.0f} s left")
+        print(f"gateway ({name}): {info['error']}", flush=True)
+        return None
     wait_gpu_released(gpu)
     print(f"gateway ({name}): starting [timeout {timeout:.0f} s]\n  {info['command']}", flush=True)
     gw = Gateway(cmd, port, log, state_dir)

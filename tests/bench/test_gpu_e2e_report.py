@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from bench.gpu_e2e.levels import decoder_jobs
 from bench.gpu_e2e.report import render_markdown
 
@@ -31,3 +34,21 @@ def test_the_report_names_each_levels_steps_per_row() -> None:
            "steps_per_decoder_job": 6.5, "decoder_jobs_per_s": 3100.0}
     md = render_markdown({"e2e": {"levels": [row], "data_parallel_size": 1}})
     assert "e2e-closed-400 6.5 (3100 jobs/s)" in md
+
+
+def test_a_gateway_that_cannot_run_a_level_is_not_started(tmp_path: Path) -> None:
+    """--start-estimate-s: with less time left than a start and one level, no gateway process is
+    started (the device time a doomed start would cost is kept) and the reason is recorded."""
+    from bench.gpu_e2e.cli import apply_defaults, build_parser
+    from bench.gpu_e2e.host import Budget
+    from bench.gpu_e2e.phases import _start_gateway
+
+    args = build_parser().parse_args(["--device", "cpu", "--workload", "conversation", "--out", str(tmp_path),
+                                      "--start-estimate-s", "165"])
+    apply_defaults(args)
+    args.out = tmp_path  # as main() makes it
+    info: dict[str, Any] = {}
+    gw = _start_gateway(args, Budget(3.0), 1, "e2e", tmp_path / "state", info, None,  # type: ignore[arg-type]
+                        0, True, False)
+    assert gw is None and info["error"].startswith("not started: a start (~165 s) and one level")
+    assert not list(tmp_path.glob("gateway-*.log"))
