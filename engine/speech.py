@@ -63,7 +63,7 @@ def chunk_policy(cfg: EngineConfig, exact_lookahead_steps: int) -> ChunkPolicy:
     la = int(getattr(cfg, "decoder_lookahead_steps", -1))
     if la < 0 or la > exact_lookahead_steps:
         la = exact_lookahead_steps
-    return ChunkPolicy(cfg.first_chunk_steps, cfg.chunk_steps, la, full_below_x=cfg.full_chunks_below_x)
+    return ChunkPolicy(cfg.first_chunk_steps, cfg.chunk_steps, la, full_chunks_below_x=cfg.full_chunks_below_x)
 
 
 def build_decoder(cfg: EngineConfig, model_dir: str, device: str = "cpu", attach: SharedDecoder | None = None) -> DecoderClient:

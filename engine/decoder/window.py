@@ -247,7 +247,7 @@ class ChunkPolicy:
       without a lead) leaves ``E * (1 - 2/r)`` of margin before each chunk and underruns at
       every stream start once the engine is under 2x real time;
     * without a lead (``lead_steps=None``) the doubling rule above, capped at ``chunk_steps``;
-    * a stream generated slower than ``full_below_x`` times real time (``rate_x``, when known)
+    * a stream generated slower than ``full_chunks_below_x`` times real time (``rate_x``, when known)
       gets whole chunks (``chunk_steps``) whatever its lead: no chunk size builds a lead then,
       and every forward costs the decoder one window whatever the chunk's size, so small chunks
       would only multiply the decoder's share of a GPU that is already short for the GPT.
@@ -264,14 +264,14 @@ class ChunkPolicy:
     lead_fraction: float = 0.5
     max_push_steps: int = 0
     """0: ``2 * chunk_steps``."""
-    full_below_x: float = 0.0
+    full_chunks_below_x: float = 0.0
     """Whole chunks for a stream generated slower than this multiple of real time (0: never)."""
 
     def __post_init__(self) -> None:
         if self.first_chunk_steps < 1 or self.chunk_steps < 1 or self.lookahead_steps < 0:
             raise ValueError(f"bad chunk policy {self}")
         if self.min_chunk_steps < 1 or not 0.0 < self.lead_fraction <= 1.0 or self.max_push_steps < 0 \
-                or self.full_below_x < 0:
+                or self.full_chunks_below_x < 0:
             raise ValueError(f"bad chunk policy {self}")
 
     @property
@@ -291,7 +291,7 @@ class ChunkPolicy:
         stream's current lead and the rate its steps arrive at, x real time (``None``: unknown)."""
         if audible_done <= 0:
             return self.first_chunk_steps
-        if rate_x is not None and rate_x < self.full_below_x:
+        if rate_x is not None and rate_x < self.full_chunks_below_x:
             return self.chunk_steps
         if lead_steps is None:
             return max(1, min(self.chunk_steps, max(self.first_chunk_steps, audible_done)))

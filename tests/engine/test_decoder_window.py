@@ -145,10 +145,10 @@ def test_chunk_policy_sequence() -> None:
 
 
 def test_a_stream_slower_than_real_time_gets_whole_chunks() -> None:
-    """Below ``full_below_x`` times real time a chunk is ``chunk_steps`` whatever the lead (small
+    """Below ``full_chunks_below_x`` times real time a chunk is ``chunk_steps`` whatever the lead (small
     chunks build no lead then and each costs the decoder a whole window); at or above it, and
     before the first audio, the lead rule and the first chunk as before."""
-    p = ChunkPolicy(first_chunk_steps=2, chunk_steps=16, lookahead_steps=8, full_below_x=1.0)
+    p = ChunkPolicy(first_chunk_steps=2, chunk_steps=16, lookahead_steps=8, full_chunks_below_x=1.0)
     assert p.next_chunk_steps(0, 0.0, 0.5) == 2  # the first chunk is never held back
     assert p.next_chunk_steps(10, 2.0, 0.9) == 16  # slower than real time: a whole chunk
     assert p.next_chunk_steps(10, 2.0, 1.0) == 3  # keeping up: min_chunk_steps, the lead is nearly gone
@@ -162,7 +162,7 @@ def test_a_stream_slower_than_real_time_gets_whole_chunks() -> None:
     # idle_s derives the rate from the arrival: 30 steps/s is 0.64x real time -> waits for 16
     assert p.steps_short(104, 100, 100.0, 0.64) == 16 - (104 - 8 - 92)
     with pytest.raises(ValueError):
-        ChunkPolicy(2, 16, 8, full_below_x=-1.0)
+        ChunkPolicy(2, 16, 8, full_chunks_below_x=-1.0)
     # idle_s passes the rate on: the wait covers the rest of a whole chunk, not of a lead-sized one
     assert p.idle_s(104, 100, 60.0, step_s, 30.0) == pytest.approx(0.75 * 12 / 30.0)
     assert off.idle_s(104, 100, 60.0, step_s, 30.0) == pytest.approx(0.75 * 12 / 30.0)  # lead 60 -> 16 too

@@ -614,7 +614,7 @@ def test_chunk_policy_from_config(vocoders: dict) -> None:
 
     g = vocoders[("full", "codes")].geometry
     p = chunk_policy(EngineConfig(), g.exact_lookahead_steps)
-    assert p == ChunkPolicy(2, 16, 8, full_below_x=1.0)  # the defaults (docs/decoder.md: chunking and the lookahead table)
+    assert p == ChunkPolicy(2, 16, 8, full_chunks_below_x=1.0)  # the defaults (docs/decoder.md: chunking and the lookahead table)
     assert chunk_policy(EngineConfig(decoder_lookahead_steps=-1), g.exact_lookahead_steps).lookahead_steps == 52
     settings = build_decoder(EngineConfig(decoder_dtype="float16"), "m").settings
     assert settings.dtype == "float16" and settings.left_steps == 24 and settings.lookahead_steps == 8
