@@ -8,7 +8,8 @@
    the baseline in the same run is the same window eager (what every forward cost before static
    shapes: the host launching each kernel), and a whole-utterance decode of 128 x 200 steps.
 2. **dtype** (``--dtypes``): the same window and batches with the stages computed in each dtype
-   (``engine.decoder_dtype``), against float32 (TF32 on CUDA) in the same run: ms per forward, the
+   (``engine.decoder_dtype``; ``DTYPE+compile``: the forward compiled too, ``engine.decoder_compile``),
+   against float32 (TF32 on CUDA) in the same run: ms per forward, the
    speed ratio, and the samples' SNR in dB and max deviation relative to the float32 peak.
 3. **lookahead table** (``--lookaheads``): utterances of ``--steps`` steps streamed the way the
    gateway streams them (first chunk ``--first-chunk-steps``, then ``--chunk-steps``; the decoder
@@ -154,8 +155,11 @@ def dtype_table(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     base: dict[int, tuple[float, np.ndarray]] = {}
     rows = []
     for dt in ["float32", *[d for d in args.dtypes.split(",") if d and d != "float32"]]:
-        dec = WindowDecoder(voc, spec, max(batches), compute_dtype=dt)
+        dtype, _, compiled = dt.partition("+")
+        t0 = time.perf_counter()
+        dec = WindowDecoder(voc, spec, max(batches), compute_dtype=dtype, compile_forward=compiled == "compile")
         dec.warm_up()
+        warm_s = time.perf_counter() - t0
         sync = torch.cuda.synchronize if dec.cuda else (lambda: None)
         for b, (x, start, end) in zip(batches, inputs, strict=True):
             t = _timed(lambda x=x, start=start, end=end, dec=dec: dec.run(x, start, end), sync, args.repeats)
@@ -165,7 +169,7 @@ def dtype_table(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
             t0, ref = base[b]
             err = out.astype(np.float64) - ref
             snr = 10 * np.log10(float((ref.astype(np.float64) ** 2).sum()) / max(float((err ** 2).sum()), 1e-30))
-            row = {"dtype": dt, "batch": b, "ms": round(1e3 * t, 3), "speed_vs_float32": round(t0 / t, 2),
+            row = {"dtype": dt, "batch": b, "warm_up_s": round(warm_s, 1), "ms": round(1e3 * t, 3), "speed_vs_float32": round(t0 / t, 2),
                    "snr_db": round(min(snr, 300.0), 1),
                    "max_dev_of_peak": round(float(np.abs(err).max() / max(np.abs(ref).max(), 1e-12)), 5)}
             rows.append(row)
@@ -382,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="left context in lookahead mode (-1: the exact reach)")
     ap.add_argument("--lefts", default="52,32,24,16,8",
                     help="table: left contexts, at the exact lookahead (their own error) and at --lookahead")
-    ap.add_argument("--dtypes", default="bfloat16,float16", help="dtype section: compared with float32")
+    ap.add_argument("--dtypes", default="bfloat16,float16",
+                    help="dtype section: variants compared with float32 (DTYPE or DTYPE+compile: torch.compile'd)")
     ap.add_argument("--steps", type=int, default=200, help="steps per utterance (table)")
     ap.add_argument("--utterances", type=int, default=8)
     ap.add_argument("--step-ms", type=float, default=2.0, help="GPT ms per step at 1 stream (table's ms column)")

@@ -162,6 +162,9 @@ class EngineConfig(Checked):
     """Decoder: dtype its convolutions and matmuls compute in (autocast; the overlap-add and the
     returned samples stay float32). ``float32`` runs TF32 on a CUDA GPU; ``bfloat16`` / ``float16``
     halve the bytes each forward moves."""
+    decoder_compile: bool = False
+    """Decoder: compile its forward with torch.compile (inductor) at start-up, before the CUDA graphs
+    are captured, so that the norms, activations and masks run fused (start-up takes longer)."""
     decoder_torch_threads: int = 1
     """Torch intra-op threads of the decoder process (and of the in-process ``reference`` GPT); 0 keeps
     torch's default. 1 is fastest for the small per-chunk forwards on CPU."""

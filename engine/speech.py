@@ -76,7 +76,7 @@ def build_decoder(cfg: EngineConfig, model_dir: str, device: str = "cpu", attach
         chunk_steps=cfg.chunk_steps, lookahead_steps=cfg.decoder_lookahead_steps,
         left_steps=cfg.decoder_left_steps, max_batch=cfg.decoder_max_batch,
         slots=2 * cfg.max_num_seqs + 32, max_steps=cfg.max_model_len, torch_threads=cfg.decoder_torch_threads,
-        dtype=cfg.decoder_dtype,
+        dtype=cfg.decoder_dtype, compile=cfg.decoder_compile,
     ), attach)
 
 

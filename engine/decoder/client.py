@@ -90,6 +90,8 @@ class DecoderSettings:
     torch_threads: int = 1
     dtype: str = "float32"
     """``EngineConfig.decoder_dtype``."""
+    compile: bool = False
+    """``EngineConfig.decoder_compile``."""
     out_cap_steps: int = 0
     """Steps of samples one job may return (0: 2 x chunk_steps; ``job_cap_steps`` resolves it)."""
     start_timeout_s: float = 600.0
@@ -454,7 +456,8 @@ def spawn_worker(s: DecoderSettings, theirs: list[socket.socket], shm_path: str,
         "device": s.device, "chunk_steps": s.chunk_steps, "lookahead_steps": s.lookahead_steps,
         "left_steps": s.left_steps, "max_batch": s.max_batch, "slots": slots_per_client * len(theirs),
         "slots_per_client": slots_per_client,
-        "max_steps": s.max_steps, "torch_threads": s.torch_threads, "dtype": s.dtype, "out_cap_steps": s.job_cap_steps,
+        "max_steps": s.max_steps, "torch_threads": s.torch_threads, "dtype": s.dtype, "compile": s.compile,
+        "out_cap_steps": s.job_cap_steps,
         "shm_path": shm_path,
     }
     from engine.lifeline import child_env

@@ -11,11 +11,14 @@ envelope, so a row at the start or the end of an utterance is exact too.
 Shapes never change: a batch of ``B`` rows runs in the smallest bucket (powers of two up to
 ``max_batch``) that holds it, padded with empty rows. On CUDA each bucket is one CUDA graph,
 captured at ``warm_up`` and replayed (TF32 matmuls and convolutions, or ``compute_dtype`` under
-autocast); on CPU the same code runs eager. One host-to-device copy of the inputs and one device-to-host copy of the samples per
+autocast; with ``compile_forward``, the torch.compile'd forward, whose fused kernels the graph
+replays); on CPU the same code runs eager (or compiled). One host-to-device copy of the inputs and one device-to-host copy of the samples per
 forward; nothing in between reads the device.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -48,7 +51,8 @@ class _Bucket:
 class WindowDecoder:
     """See the module docstring. Not thread-safe: the decoder process calls it from one thread."""
 
-    def __init__(self, vocoder: Vocoder, spec: WindowSpec, max_batch: int, compute_dtype: str = "float32") -> None:
+    def __init__(self, vocoder: Vocoder, spec: WindowSpec, max_batch: int, compute_dtype: str = "float32",
+                 compile_forward: bool = False) -> None:
         if max_batch < 1:
             raise ValueError("max_batch >= 1")
         if compute_dtype not in ("float32", "bfloat16", "float16"):
@@ -61,6 +65,9 @@ class WindowDecoder:
         self.compute_dtype: torch.dtype = getattr(torch, compute_dtype)
         """The stages' dtype (autocast when it differs from the weights'); the overlap-add is float32."""
         self.cuda = self.device.type == "cuda"
+        self.compile_forward = compile_forward
+        """``warm_up`` compiles the forward (torch.compile, dynamic batch) before the graphs are captured."""
+        self._forward: Callable[[Tensor, Tensor, Tensor], Tensor] = self._compute
         self.step_dim = vocoder.front.step_dim
         self.max_batch = max_batch
         self.buckets = buckets_for(max_batch)
@@ -119,19 +126,21 @@ class WindowDecoder:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
             torch.backends.cudnn.benchmark = True
+        if self.compile_forward and self._forward == self._compute:
+            self._forward = torch.compile(self._compute, dynamic=True)
         for bk in self._b.values():
             if not self.cuda:
-                self._compute(bk.x, bk.start, bk.end)
+                self._forward(bk.x, bk.start, bk.end)
                 continue
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(3):
-                    self._compute(bk.x, bk.start, bk.end)
+                    self._forward(bk.x, bk.start, bk.end)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                bk.out = self._compute(bk.x, bk.start, bk.end)
+                bk.out = self._forward(bk.x, bk.start, bk.end)
             bk.graph = graph
         if self.cuda:
             torch.cuda.synchronize()
@@ -158,5 +167,5 @@ class WindowDecoder:
             assert bk.out is not None
             out = bk.out
         else:
-            out = self._compute(bk.x, bk.start, bk.end)
+            out = self._forward(bk.x, bk.start, bk.end)
         return out[:n].cpu().numpy()

@@ -271,7 +271,8 @@ def serve(args: dict[str, Any], socks: list[socket.socket]) -> None:
         la = geo.exact_lookahead_steps
     spec = WindowSpec(geo, int(args["chunk_steps"]), la, left_context_steps=int(args.get("left_steps", -1)))
     max_batch = int(args["max_batch"])
-    dec = WindowDecoder(voc, spec, max_batch, compute_dtype=str(args.get("dtype") or "float32"))
+    dec = WindowDecoder(voc, spec, max_batch, compute_dtype=str(args.get("dtype") or "float32"),
+                        compile_forward=bool(args.get("compile")))
     dec.warm_up()
     slots, out_cap = int(args["slots"]), int(args["out_cap_steps"]) * geo.samples_per_step
     per = int(args.get("slots_per_client") or slots)
@@ -286,7 +287,8 @@ def serve(args: dict[str, Any], socks: list[socket.socket]) -> None:
         "frames_per_step": geo.frames_per_step, "n_fft": geo.n_fft, "hop": geo.hop,
         "stage_reaches": [[r.left, r.right] for r in geo.stage_reaches],
         "lookahead_steps": la, "exact": spec.exact, "window_steps": spec.window_steps, "left_steps": spec.left_steps,
-        "buckets": dec.buckets, "device": device, "dtype": str(dec.compute_dtype).removeprefix("torch."), "pid": os.getpid(), "clients": len(socks),
+        "buckets": dec.buckets, "device": device, "dtype": str(dec.compute_dtype).removeprefix("torch."),
+        "compiled": dec.compile_forward, "pid": os.getpid(), "clients": len(socks),
     }
     live: dict[int, socket.socket] = dict(enumerate(socks))
     jobs: dict[int, tuple[int, int]] = {}  # worker job id -> (client, the client's job id)

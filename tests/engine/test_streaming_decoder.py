@@ -389,6 +389,25 @@ def test_default_left_context_is_float32_exact(vocoders: dict) -> None:
     assert snr[24] >= 100.0 > 60.0 > snr[8], snr
 
 
+def test_compiled_forward_equals_eager(vocoders: dict) -> None:
+    """``engine.decoder_compile``: the torch.compile'd forward (inductor, dynamic batch) gives the
+    eager forward's samples, rows at the utterance's start and end included (one bucket: a cold
+    compile costs ~25 s on the CI's CPU)."""
+    voc = vocoders[("tiny", "codes")]
+    spec = WindowSpec(voc.geometry, 16, 8)
+    rng = np.random.default_rng(4)
+    x = rng.integers(0, 625, (3, spec.window_steps, voc.front.step_dim))
+    start = np.array([-spec.left_steps, 0, 50])
+    end = start + np.array([spec.window_steps, 30, spec.window_steps])
+    eager = WindowDecoder(voc, spec, 1)
+    compiled = WindowDecoder(voc, spec, 1, compile_forward=True)
+    compiled.warm_up()
+    for i in range(3):
+        row = slice(i, i + 1)
+        np.testing.assert_allclose(compiled.run(x[row], start[row], end[row]), eager.run(x[row], start[row], end[row]),
+                                   atol=1e-5)
+
+
 # --------------------------------------------------------------------------- the decoder process
 
 
@@ -618,6 +637,7 @@ def test_chunk_policy_from_config(vocoders: dict) -> None:
     assert chunk_policy(EngineConfig(decoder_lookahead_steps=-1), g.exact_lookahead_steps).lookahead_steps == 52
     settings = build_decoder(EngineConfig(decoder_dtype="float16"), "m").settings
     assert settings.dtype == "float16" and settings.left_steps == 24 and settings.lookahead_steps == 8
+    assert not settings.compile and build_decoder(EngineConfig(decoder_compile=True), "m").settings.compile
 
 
 class _Recorder:
