@@ -190,7 +190,8 @@ class EngineHealth:
     counters: Mapping[str, float] = field(default_factory=dict)
     """Monotonic totals since start, engine-specific names (the vLLM engine: ``requests``,
     ``first_outputs``, ``ttft_s``, ``steps``, ``outputs``; the decoder: ``decode_jobs``,
-    ``decode_s``). ``gateway.monitor`` logs their rates."""
+    ``decode_s``, and its process's ``decoder_forwards``, ``decoder_rows``, ``decoder_padded_rows``,
+    ``decoder_busy_s``). ``gateway.monitor`` logs their rates."""
 
 
 @runtime_checkable

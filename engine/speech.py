@@ -138,7 +138,10 @@ class ChatTTSSpeech:
 
     def health(self) -> EngineHealth:
         h = self._code.health()
-        h = replace(h, counters={**h.counters, **self._decode_counters})
+        self._decoder.refresh_worker_counters()
+        worker = {f"decoder_{k}": v for k, v in self._decoder.worker_counters.items()
+                  if k in ("forwards", "rows", "padded_rows", "busy_s")}
+        h = replace(h, counters={**h.counters, **self._decode_counters, **worker})
         if self.restarting:
             h = replace(h, healthy=False, detail="restarting after a crash" + (f" ({h.detail})" if h.detail else ""))
         if not self._decoder.healthy:

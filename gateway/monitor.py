@@ -7,9 +7,12 @@ own work); each lag goes into ``voicegw_event_loop_lag_seconds``. Every
 
     load sessions=256 engine_live=498 lag_ms_max=41.2 lag_ms_mean=3.1 requests_per_s=21.0
     first_outputs_per_s=20.0 ttft_ms_mean=812.4 steps_per_s=11890 outputs_per_s=4210
-    decode_jobs_per_s=1190 decode_ms_mean=6.2 mono=5123.456
+    decode_jobs_per_s=1190 decode_ms_mean=6.2 decoder_busy=0.41 decoder_mean_batch=37.5
+    decoder_padding=0.21 mono=5123.456
 
-(``mono``: ``time.monotonic()``, the clock the load generator's records use.)
+(``mono``: ``time.monotonic()``, the clock the load generator's records use; ``decoder_*``: the
+decoder process's share of the interval spent in forwards, its rows per forward and the share of
+computed rows that only filled a batch bucket, the same in every gateway process it serves.)
 
 The engine's part comes from ``EngineHealth.counters`` (monotonic totals; rates are their
 differences over the interval). The arithmetic is ``LoadWindow``, pure; the task is the edge.
@@ -78,6 +81,12 @@ class LoadWindow:
             out["ttft_ms_mean"] = round(1000 * d["ttft_s"] / d["first_outputs"], 1)
         if "decode_s" in d and d.get("decode_jobs"):
             out["decode_ms_mean"] = round(1000 * d["decode_s"] / d["decode_jobs"], 2)
+        if "decoder_busy_s" in d:  # the decoder process's own totals (every client of it sees the same)
+            out["decoder_busy"] = round(d["decoder_busy_s"] / span_s, 3)
+        if d.get("decoder_forwards"):
+            rows = d.get("decoder_rows", 0.0)
+            out["decoder_mean_batch"] = round(rows / d["decoder_forwards"], 1)
+            out["decoder_padding"] = round(d.get("decoder_padded_rows", 0.0) / max(1.0, rows + d.get("decoder_padded_rows", 0.0)), 3)
         self._reset(counters, t_s)
         return out
 

@@ -289,7 +289,8 @@ def run_level(url: str, scenario: str, sessions: int, args: argparse.Namespace, 
     return row
 
 
-_LOAD_FIELD = re.compile(r"\b(steps_per_s|decode_jobs_per_s|mono)=([\d.]+)")
+_LOAD_FIELD = re.compile(
+    r"\b(steps_per_s|decode_jobs_per_s|decoder_busy|decoder_mean_batch|decoder_padding|mono)=([\d.]+)")
 
 
 def decoder_jobs(load_lines: list[str], t0: float, t1: float) -> dict[str, float | None]:
@@ -297,16 +298,27 @@ def decoder_jobs(load_lines: list[str], t0: float, t1: float) -> dict[str, float
     the host's monotonic clock, which the bench reads too) between ``t0`` and ``t1``: decoder jobs
     (pushes, ``decode_jobs``) per second and GPT steps per job, all processes together. A job is
     one decoder row per ``chunk_steps`` or fewer steps, each row a whole window whatever its size:
-    few steps per job is the decoder taking GPU time from the GPT."""
+    few steps per job is the decoder taking GPU time from the GPT. Also the decoder process's own
+    figures (``decoder_busy``: share of the time in forwards, ``decoder_mean_batch``,
+    ``decoder_padding``: share of computed rows that only filled a bucket), which every process
+    reports alike: their mean over the lines."""
     steps = jobs = 0.0
+    own: dict[str, list[float]] = {"decoder_busy": [], "decoder_mean_batch": [], "decoder_padding": []}
     for line in load_lines:
         f = {k: float(v) for k, v in _LOAD_FIELD.findall(line)}
         if "mono" in f and t0 <= f["mono"] <= t1:
             steps += f.get("steps_per_s", 0.0)
             jobs += f.get("decode_jobs_per_s", 0.0)
+            for k, vals in own.items():
+                if k in f:
+                    vals.append(f[k])
     span = t1 - t0
-    return {"decoder_jobs_per_s": round(jobs / span, 1) if span > 0 and jobs else None,
-            "steps_per_decoder_job": round(steps / jobs, 1) if jobs else None}
+    out: dict[str, float | None] = {
+        "decoder_jobs_per_s": round(jobs / span, 1) if span > 0 and jobs else None,
+        "steps_per_decoder_job": round(steps / jobs, 1) if jobs else None}
+    for k, vals in own.items():
+        out[k] = round(sum(vals) / len(vals), 3) if vals else None
+    return out
 
 
 def max_realtime(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -235,7 +235,9 @@ def render_markdown(d: dict[str, Any]) -> str:
                       "|---|---|---|---|---|---|---|---|---|---|---|"]
             lines += ["| " + " | ".join(c) + " |" for c in _closed_rows(f"voicegw (DP {e.get('data_parallel_size')})", thr)]
             lines.append("")
-        dec = [f"{r['name']} {_f(r['steps_per_decoder_job'], 1)} ({_f(r.get('decoder_jobs_per_s'))} jobs/s)"
+        dec = [f"{r['name']} {_f(r['steps_per_decoder_job'], 1)} ({_f(r.get('decoder_jobs_per_s'))} jobs/s"
+               + (f"; decoder busy {_f(r['decoder_busy'], 2)}, {_f(r.get('decoder_mean_batch'), 1)} rows per forward, "
+                  f"padding {_f(r.get('decoder_padding'), 2)}" if r.get("decoder_busy") is not None else "") + ")"
                for r in rows if r.get("steps_per_decoder_job")]
         if dec:
             lines += ["GPT steps per decoder job (a job is a row per chunk_steps or fewer, each row one window; "

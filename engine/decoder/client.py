@@ -25,6 +25,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,8 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 """The checkout (``engine`` is importable from here in the worker)."""
 _PAYLOAD_BYTES = 256 << 10
 """Most input bytes in one message (hidden states are 3 KB per step)."""
+COUNTERS_REFRESH_S = 0.5
+"""``refresh_worker_counters``: shortest time between two requests for the worker's counters."""
 
 
 @dataclass
@@ -200,6 +203,11 @@ class DecoderClient:
         self._free: deque[_Slot] = deque(self._slots)
         self._pending: dict[int, tuple[_Slot, asyncio.Future[tuple[int, int]]]] = {}
         self._stats_waiters: deque[asyncio.Future[dict[str, Any]]] = deque()
+        self.worker_counters: dict[str, float] = {}
+        """The worker's counters (``WorkerStats``) as of the last ``refresh_worker_counters`` reply;
+        the worker's own totals, the same in every client of a shared decoder process."""
+        self._refresh: asyncio.Task[dict[str, Any]] | None = None
+        self._refreshed_s = -1e9
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self._next_job = 1
         self._send_lock = asyncio.Lock()
@@ -274,6 +282,8 @@ class DecoderClient:
     async def close(self) -> None:
         if self.failed is None:
             self.failed = "decoder closed"  # from here on an EOF is ours, not a crash
+        if self._refresh is not None:
+            self._refresh.cancel()
         sock, self._sock = self._sock, None
         if sock is not None:
             with contextlib.suppress(Exception):
@@ -326,6 +336,27 @@ class DecoderClient:
         self._stats_waiters.append(fut)
         await self._send(REQ.pack(KIND_STATS, 0, 0, 0, 0, 0))
         return await fut
+
+    def refresh_worker_counters(self, min_interval_s: float = COUNTERS_REFRESH_S) -> None:
+        """Ask the worker for its counters without waiting: the reply updates ``worker_counters``.
+        One request at a time, at most one per ``min_interval_s`` (callers such as admission ask
+        per request); nothing while the decoder is down or outside an event loop."""
+        if not self.healthy or (self._refresh is not None and not self._refresh.done()):
+            return
+        now = time.monotonic()
+        if now - self._refreshed_s < min_interval_s:
+            return
+        self._refreshed_s = now
+        try:
+            self._refresh = asyncio.get_running_loop().create_task(self.worker_stats(), name="decoder counters")
+        except RuntimeError:
+            return
+        self._refresh.add_done_callback(self._got_counters)
+
+    def _got_counters(self, task: asyncio.Task[dict[str, Any]]) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return
+        self.worker_counters = {k: float(v) for k, v in task.result().items() if isinstance(v, int | float)}
 
     # ------------------------------------------------------------------ internals
 

@@ -107,13 +107,16 @@ class _Queued:
 class WorkerStats:
     forwards: int = 0
     rows: int = 0
+    padded_rows: int = 0
+    """Empty rows the forwards computed to fill their batch bucket."""
     busy_s: float = 0.0
+    """Time inside forwards (on a GPU: until the samples are on the host)."""
     max_batch_seen: int = 0
     jobs: int = 0
 
     def as_dict(self) -> dict[str, float]:
-        return {"forwards": self.forwards, "rows": self.rows, "busy_s": round(self.busy_s, 4),
-                "max_batch_seen": self.max_batch_seen, "jobs": self.jobs,
+        return {"forwards": self.forwards, "rows": self.rows, "padded_rows": self.padded_rows,
+                "busy_s": round(self.busy_s, 4), "max_batch_seen": self.max_batch_seen, "jobs": self.jobs,
                 "mean_batch": round(self.rows / self.forwards, 2) if self.forwards else 0.0}
 
 
@@ -122,9 +125,11 @@ class WorkerCore:
 
     def __init__(self, spec: WindowSpec, run: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray],
                  out: np.ndarray, step_dim: int, dtype: Any, max_batch: int, max_steps: int,
-                 code_limit: int | None) -> None:
+                 code_limit: int | None, bucket_of: Callable[[int], int] | None = None) -> None:
         self.spec = spec
         self._run = run
+        self._bucket_of = bucket_of
+        """Rows a forward of ``n`` rows computes (``WindowDecoder.bucket``; None: ``n``)."""
         self.out = out
         """``[slots, out_cap]`` float32 (the shared memory)."""
         self.step_dim, self.dtype = step_dim, np.dtype(dtype)
@@ -213,6 +218,8 @@ class WorkerCore:
         st = self.stats
         st.forwards += 1
         st.rows += len(batch)
+        if self._bucket_of is not None:
+            st.padded_rows += self._bucket_of(len(batch)) - len(batch)
         st.busy_s += time.perf_counter() - t0
         st.max_batch_seen = max(st.max_batch_seen, len(batch))
         xf = spec.xfade
@@ -280,7 +287,8 @@ def serve(args: dict[str, Any], socks: list[socket.socket]) -> None:
     out = flat.reshape(slots, out_cap)
     limit = voc.front.vq_layer.quantizer.codebook_size if voc.uses_codes else None  # type: ignore[union-attr]
     dtype = np.int64 if voc.uses_codes else np.float32
-    core = WorkerCore(spec, dec.run, out, dec.step_dim, dtype, max_batch, int(args["max_steps"]), limit)
+    core = WorkerCore(spec, dec.run, out, dec.step_dim, dtype, max_batch, int(args["max_steps"]), limit,
+                      bucket_of=dec.bucket)
     wire_dtype = np.int16 if voc.uses_codes else np.float32
     ready = {
         "step_dim": dec.step_dim, "uses_codes": voc.uses_codes, "code_limit": limit,

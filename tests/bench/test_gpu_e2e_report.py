@@ -16,15 +16,16 @@ LINES = [  # two gateway processes, one line a second each (gateway.monitor's fo
     "2026-12-05 18:37:11,100 INFO voicegw.load: load sessions=300 engine_live=600 steps_per_s=11200 "
     "decode_jobs_per_s=800 mono=101.5",
     "2026-12-05 18:37:11,120 INFO voicegw.load: load sessions=300 engine_live=600 steps_per_s=12000 "
-    "decode_jobs_per_s=800 mono=101.6",
+    "decode_jobs_per_s=800 decoder_busy=0.4 decoder_mean_batch=30.5 decoder_padding=0.2 mono=101.6",
     "2026-12-05 18:37:30,100 INFO voicegw.load: load sessions=0 engine_live=0 steps_per_s=0 mono=120.0",
 ]
 
 
 def test_decoder_jobs_sums_the_processes_inside_the_level() -> None:
     got = decoder_jobs(LINES, 100.0, 102.0)
-    assert got == {"decoder_jobs_per_s": 1600.0, "steps_per_decoder_job": 15.0}
-    assert decoder_jobs(LINES, 110.0, 125.0) == {"decoder_jobs_per_s": None, "steps_per_decoder_job": None}
+    assert got == {"decoder_jobs_per_s": 1600.0, "steps_per_decoder_job": 15.0,  # summed over processes
+                   "decoder_busy": 0.4, "decoder_mean_batch": 30.5, "decoder_padding": 0.2}  # the decoder's own
+    assert decoder_jobs(LINES, 110.0, 125.0)["steps_per_decoder_job"] is None
     assert decoder_jobs([], 0.0, 1.0)["steps_per_decoder_job"] is None
 
 
@@ -34,6 +35,9 @@ def test_the_report_names_each_levels_steps_per_row() -> None:
            "steps_per_decoder_job": 6.5, "decoder_jobs_per_s": 3100.0}
     md = render_markdown({"e2e": {"levels": [row], "data_parallel_size": 1}})
     assert "e2e-closed-400 6.5 (3100 jobs/s)" in md
+    row.update(decoder_busy=0.41, decoder_mean_batch=37.5, decoder_padding=0.21)
+    md = render_markdown({"e2e": {"levels": [row], "data_parallel_size": 1}})
+    assert "e2e-closed-400 6.5 (3100 jobs/s; decoder busy 0.41, 37.5 rows per forward, padding 0.21)" in md
 
 
 def test_a_gateway_that_cannot_run_a_level_is_not_started(tmp_path: Path) -> None:

@@ -306,9 +306,23 @@ def test_batched_equals_alone(vocoders: dict) -> None:
     got: dict[int, int] = {}
     while len(got) < len(xs):
         got.update({j: n for j, _, n in core.step()})
-    assert core.stats.max_batch_seen == 8
+    assert core.stats.max_batch_seen == 8 and core.stats.padded_rows == 0  # no bucket_of: nothing counted
     for i, a in enumerate(alone):
         np.testing.assert_allclose(core.out[i, : got[100 + i]], a, atol=1e-5)
+
+
+def test_worker_counts_the_rows_that_fill_a_bucket(vocoders: dict) -> None:
+    """Three rows in one forward run in the 4-row bucket: one padded row (the load line's
+    ``decoder_padding``)."""
+    voc = vocoders[("tiny", "codes")]
+    spec = WindowSpec(voc.geometry, 8, 4)
+    dec = WindowDecoder(voc, spec, 8)
+    out = np.zeros((3, 4 * 8 * voc.geometry.samples_per_step), np.float32)
+    core = WorkerCore(spec, dec.run, out, voc.front.step_dim, np.int64, 8, 4096, 625, bucket_of=dec.bucket)
+    for slot in range(3):
+        assert core.submit(slot, slot, _inputs(voc, 6, seed=slot), 6, FLAG_FINAL | FLAG_RESET) is None
+    assert len(core.step()) == 3
+    assert (core.stats.forwards, core.stats.rows, core.stats.padded_rows) == (1, 3, 1)
 
 
 def test_provisional_mode(vocoders: dict) -> None:
@@ -454,6 +468,13 @@ async def test_client_streams_equal_whole(model_dirs: dict) -> None:
                 break
             await asyncio.sleep(0.01)
         assert c.free_slots == 4 and (await c.worker_stats())["jobs"] >= 4
+        c.refresh_worker_counters()  # the load monitor's path: no waiting, the reply lands later
+        for _ in range(200):
+            if c.worker_counters:
+                break
+            await asyncio.sleep(0.01)
+        assert c.worker_counters["rows"] >= 4 and c.worker_counters["forwards"] >= 1
+        assert "padded_rows" in c.worker_counters and c.worker_counters["busy_s"] > 0
         with pytest.raises(Exception, match="out of range"):
             await c.open_stream().push(np.full((2, 4), 625))
     finally:

@@ -31,6 +31,18 @@ def test_load_window_rates_and_means() -> None:
     assert nxt["requests_per_s"] == 0.0 and nxt["lag_ms_max"] == 0.0 and "ttft_ms_mean" not in nxt
 
 
+def test_load_window_decoder_process_share() -> None:
+    """The decoder process's totals: busy share of the interval, rows per forward, padding share."""
+    zero = {"decoder_forwards": 0, "decoder_rows": 0, "decoder_padded_rows": 0, "decoder_busy_s": 0}
+    w = LoadWindow(zero, 0.0)
+    out = w.close({"decoder_forwards": 20, "decoder_rows": 600, "decoder_padded_rows": 200, "decoder_busy_s": 0.8},
+                  2.0)
+    assert out["decoder_busy"] == 0.4 and out["decoder_mean_batch"] == 30.0 and out["decoder_padding"] == 0.25
+    idle = w.close({"decoder_forwards": 20, "decoder_rows": 600, "decoder_padded_rows": 200, "decoder_busy_s": 0.8},
+                   3.0)
+    assert idle["decoder_busy"] == 0.0 and "decoder_mean_batch" not in idle
+
+
 class _Engine:
     name = "counting"
 
