@@ -12,8 +12,8 @@ Shapes never change: a batch of ``B`` rows runs in the smallest bucket (powers o
 ``max_batch``) that holds it, padded with empty rows. On CUDA each bucket is one CUDA graph,
 captured at ``warm_up`` and replayed (TF32 matmuls and convolutions, or ``compute_dtype`` under
 autocast; with ``compile_forward``, the torch.compile'd forward, whose fused kernels the graph
-replays); on CPU the same code runs eager (or compiled). One host-to-device copy of the inputs and one device-to-host copy of the samples per
-forward; nothing in between reads the device.
+replays); on CPU the same code runs eager (or compiled). One host-to-device copy of the inputs
+and one device-to-host copy of the samples per forward; nothing in between reads the device.
 """
 
 from __future__ import annotations
