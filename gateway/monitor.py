@@ -84,9 +84,9 @@ class LoadWindow:
         if "decoder_busy_s" in d:  # the decoder process's own totals (every client of it sees the same)
             out["decoder_busy"] = round(d["decoder_busy_s"] / span_s, 3)
         if d.get("decoder_forwards"):
-            rows = d.get("decoder_rows", 0.0)
+            rows, padded = d.get("decoder_rows", 0.0), d.get("decoder_padded_rows", 0.0)
             out["decoder_mean_batch"] = round(rows / d["decoder_forwards"], 1)
-            out["decoder_padding"] = round(d.get("decoder_padded_rows", 0.0) / max(1.0, rows + d.get("decoder_padded_rows", 0.0)), 3)
+            out["decoder_padding"] = round(padded / max(1.0, rows + padded), 3)
         self._reset(counters, t_s)
         return out
 

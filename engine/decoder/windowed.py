@@ -18,6 +18,7 @@ and one device-to-host copy of the samples per forward; nothing in between reads
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import numpy as np
@@ -101,18 +102,14 @@ class WindowDecoder:
         y = feats.reshape(b, w * fps, voc.front.in_dim).transpose(1, 2)
         pos = fps * start[:, None] + self._frame_idx[None, :]
         inside = ((pos >= 0) & (pos < fps * end[:, None]))[:, None, :]
-        mask = inside.to(self.dtype)
-        if self.compute_dtype == self.dtype:
+        cdt = self.compute_dtype
+        m = inside.to(cdt)
+        with torch.autocast(self.device.type, dtype=cdt) if cdt != self.dtype else contextlib.nullcontext():
+            y = y.to(cdt)
             for stage in voc.stages:
-                y = stage.padded(y * mask)
-        else:
-            m = inside.to(self.compute_dtype)
-            with torch.autocast(self.device.type, dtype=self.compute_dtype):
-                y = y.to(self.compute_dtype)
-                for stage in voc.stages:
-                    y = stage.padded(y * m)
-            y = y.float()
-        frames = y * mask
+                y = stage.padded(y * m)
+        mask = inside.to(self.dtype)
+        frames = y.float() * mask
         acc = F.fold(frames, (1, self._total), (1, g.n_fft), stride=(1, g.hop))[:, 0, 0]
         env = F.fold(self._win_sq * mask, (1, self._total), (1, g.n_fft), stride=(1, g.hop))[:, 0, 0]
         a = spec.out_offset
