@@ -119,11 +119,9 @@ def _all_idle(live: list[Replica]) -> bool:
 async def test_streamed_http_audio_is_not_buffered(balancer: Balancer, live: list[Replica]) -> None:
     """Direct and proxied requests alternate, six each (two per replica); the best of each is
     compared, so that what is held against the proxy is what it adds, not a slow engine step.
-    Each replica first serves one unmeasured request on this path (its first answer pays one-time
-    costs: CI saw 1-2 s first bytes right after the replicas started), and every request starts with
-    every replica idle: the stream dropped before it is aborted, not competing for the 2 cores."""
-    for r in live:
-        await asyncio.to_thread(_first_byte_s, f"http://127.0.0.1:{r.port}")
+    Every request starts with every replica idle: the previous test's sessions finished and the
+    stream dropped before it aborted, not competing for the 2 cores (CI once measured direct first
+    bytes of 1-2 s, p50 588 ms, while they were)."""
     direct: list[float] = []
     proxied: list[float] = []
     for i in range(2 * len(live)):
