@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="left context in lookahead mode (-1: the exact reach)")
     ap.add_argument("--lefts", default="52,32,24,16,8",
                     help="table: left contexts, at the exact lookahead (their own error) and at --lookahead")
-    ap.add_argument("--dtypes", default="bfloat16,float16",
+    ap.add_argument("--dtypes", default="float16,float16+compile",
                     help="dtype section: variants compared with float32 (DTYPE or DTYPE+compile: torch.compile'd)")
     ap.add_argument("--steps", type=int, default=200, help="steps per utterance (table)")
     ap.add_argument("--utterances", type=int, default=8)

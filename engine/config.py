@@ -71,7 +71,7 @@ class EngineConfig(Checked):
         "backend": ("auto", *BACKENDS),
         "device": ("auto", "cpu", "cuda"),
         "dtype": ("auto", "float32", "bfloat16", "float16"),
-        "decoder_dtype": ("float32", "bfloat16", "float16"),
+        "decoder_dtype": ("float32", "float16"),
     }
     _positive: ClassVar[frozenset[str]] = frozenset({
         "max_num_seqs", "max_num_batched_tokens", "kv_cache_gib", "max_model_len", "restart_backoff_s",
@@ -159,12 +159,14 @@ class EngineConfig(Checked):
     every core starves the decoder, the gateway and anything else on the host (a browser) while it
     generates; 0 gives the GPT worker every core (GPT-only benchmarks; bench/RESULTS.md)."""
     decoder_dtype: str = "float32"
-    """Decoder: dtype its convolutions and matmuls compute in (autocast; the overlap-add and the
-    returned samples stay float32). ``float32`` runs TF32 on a CUDA GPU; ``bfloat16`` / ``float16``
-    halve the bytes each forward moves."""
+    """Decoder: dtype its convolutions and matmuls compute in (autocast; the spectrum, the
+    overlap-add and the returned samples stay float32): ``float32`` (TF32 on a CUDA GPU) or
+    ``float16``. On a GPU the default is ``float16`` together with ``decoder_compile``: the pair wins
+    over float32 where either alone does not (``GPU_DEFAULTS``; bench/RESULTS.md)."""
     decoder_compile: bool = False
-    """Decoder: compile its forward with torch.compile (inductor) at start-up, before the CUDA graphs
-    are captured, so that the norms, activations and masks run fused (start-up takes longer)."""
+    """Decoder: compile its forward with torch.compile (inductor, dynamic batch) at start-up, before
+    the CUDA graphs are captured, so that the norms, activations and masks run fused. Start-up takes
+    longer (a cold compile per process); on by default on a GPU."""
     decoder_torch_threads: int = 1
     """Torch intra-op threads of the decoder process (and of the in-process ``reference`` GPT); 0 keeps
     torch's default. 1 is fastest for the small per-chunk forwards on CPU."""

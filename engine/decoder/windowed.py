@@ -56,8 +56,8 @@ class WindowDecoder:
                  compile_forward: bool = False) -> None:
         if max_batch < 1:
             raise ValueError("max_batch >= 1")
-        if compute_dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"compute_dtype: float32, bfloat16 or float16, got {compute_dtype!r}")
+        if compute_dtype not in ("float32", "float16"):
+            raise ValueError(f"compute_dtype: float32 or float16, got {compute_dtype!r}")
         self.voc = vocoder
         self.spec = spec
         g = spec.geometry

@@ -365,12 +365,11 @@ def test_default_lookahead_deviation(vocoders: dict) -> None:
         assert np.abs(err).max() <= 0.03 * np.abs(whole).max()
 
 
-@pytest.mark.parametrize(("dtype", "min_snr_db"), [("bfloat16", 35.0), ("float16", 50.0)])
-def test_decoder_dtype_stays_close_to_float32(dtype: str, min_snr_db: float, vocoders: dict) -> None:
-    """``engine.decoder_dtype``: the stages computed in half precision under autocast, the
+def test_decoder_dtype_stays_close_to_float32(vocoders: dict) -> None:
+    """``engine.decoder_dtype`` float16: the stages computed in half precision under autocast, the
     overlap-add in float32, on the full-size checkpoint with strong layer scales: float32 samples
-    out, within ``min_snr_db`` of the float32 forward (bench/decoder_bench.py's dtype section
-    measures about 41 and 59 dB), rows at the utterance's start and end included."""
+    out, within 50 dB SNR of the float32 forward (bench/decoder_bench.py's dtype section measures
+    about 59 dB on CPU and GPU), rows at the utterance's start and end included."""
     voc = vocoders[("full", "codes")]
     spec = WindowSpec(voc.geometry, 16, 8)
     rng = np.random.default_rng(3)
@@ -378,12 +377,13 @@ def test_decoder_dtype_stays_close_to_float32(dtype: str, min_snr_db: float, voc
     start = np.array([-spec.left_steps, 0, 40, 100])
     end = start + np.array([spec.window_steps, spec.window_steps, 30, spec.window_steps])
     ref = WindowDecoder(voc, spec, 4).run(x, start, end)
-    out = WindowDecoder(voc, spec, 4, compute_dtype=dtype).run(x, start, end)
+    out = WindowDecoder(voc, spec, 4, compute_dtype="float16").run(x, start, end)
     assert out.dtype == np.float32 and out.shape == ref.shape and np.isfinite(out).all()
     err = out - ref
-    assert 10 * np.log10(np.sum(ref**2) / np.sum(err**2)) >= min_snr_db
-    with pytest.raises(ValueError, match="compute_dtype"):
-        WindowDecoder(voc, spec, 4, compute_dtype="int8")
+    assert 10 * np.log10(np.sum(ref**2) / np.sum(err**2)) >= 50.0
+    for unknown in ("bfloat16", "int8"):
+        with pytest.raises(ValueError, match="compute_dtype"):
+            WindowDecoder(voc, spec, 4, compute_dtype=unknown)
 
 
 def test_default_left_context_is_float32_exact(vocoders: dict) -> None:
