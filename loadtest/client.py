@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import socket
 import time
@@ -42,6 +43,8 @@ MAX_LEVEL_SAMPLES = 4_000
 STALL_PROBE_S = 0.05
 CLIENT_STALL_MS = 200.0
 MAX_CLIENT_STALLS = 2_000
+#: Most probe lateness samples a worker keeps (``watch_stalls``: 20 minutes of 50 ms probes).
+MAX_LAG_SAMPLES = 24_000
 #: Receive buffer of a slow-reader session's socket.
 SLOW_READER_RCVBUF_BYTES = 8_192
 #: Longest wait for an utterance to finish after its text ended.
@@ -473,22 +476,38 @@ async def _sleep_until(t: float) -> None:
 
 
 async def watch_stalls(t0: float, out: list[tuple[float, float]], probe_s: float = STALL_PROBE_S,
-                       stall_ms: float = CLIENT_STALL_MS, limit: int = MAX_CLIENT_STALLS) -> None:
+                       stall_ms: float = CLIENT_STALL_MS, limit: int = MAX_CLIENT_STALLS,
+                       lags_ms: list[float] | None = None) -> None:
     """Record (start, end) in seconds after ``t0`` whenever this event loop did not run for more
-    than ``stall_ms`` (a probe sleeping ``probe_s`` woke that late). Runs until cancelled."""
+    than ``stall_ms`` (a probe sleeping ``probe_s`` woke that late), and every probe's lateness in
+    ``lags_ms`` (at most ``MAX_LAG_SAMPLES``). Runs until cancelled."""
     while True:
         t = time.monotonic()
         await asyncio.sleep(probe_s)
         now = time.monotonic()
-        if (now - t - probe_s) * 1000.0 > stall_ms and len(out) < limit:
+        late_ms = (now - t - probe_s) * 1000.0
+        if lags_ms is not None and len(lags_ms) < MAX_LAG_SAMPLES:
+            lags_ms.append(late_ms)
+        if late_ms > stall_ms and len(out) < limit:
             out.append((round(t + probe_s - t0, 4), round(now - t0, 4)))
+
+
+def lag_summary(lags_ms: list[float]) -> dict[str, float | int]:
+    """A worker's probe lateness: sample count, p50 / p99 / max in ms (zeros without samples)."""
+    if not lags_ms:
+        return {"n": 0, "p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}
+    xs = sorted(lags_ms)
+    return {"n": len(xs), "p50_ms": round(xs[len(xs) // 2], 1),
+            "p99_ms": round(xs[min(len(xs) - 1, int(len(xs) * 0.99))], 1), "max_ms": round(xs[-1], 1)}
 
 
 async def run_sessions(plans: list[SessionPlan], url: str, t0: float, hard_end: float) -> list[dict[str, Any]]:
     """Run plans concurrently in this event loop; return their records as dicts. Every record
-    carries ``client_stalls``: this worker's own stalls (``watch_stalls``), shared by its sessions."""
+    carries ``client_stalls``: this worker's own stalls (``watch_stalls``), shared by its sessions,
+    and ``client_lag``: its event loop's lateness (``lag_summary``; ``worker`` tells workers apart)."""
     stalls: list[tuple[float, float]] = []
-    watcher = asyncio.create_task(watch_stalls(t0, stalls), name="client stall watch")
+    lags_ms: list[float] = []
+    watcher = asyncio.create_task(watch_stalls(t0, stalls, lags_ms=lags_ms), name="client stall watch")
     sessions = [_Session(p, url, t0, hard_end) for p in plans]
     try:
         results = await asyncio.gather(*(s.run() for s in sessions), return_exceptions=True)
@@ -496,6 +515,7 @@ async def run_sessions(plans: list[SessionPlan], url: str, t0: float, hard_end: 
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
+    lag = {"worker": os.getpid(), **lag_summary(lags_ms)}
     out: list[dict[str, Any]] = []
     for s, r in zip(sessions, results, strict=True):
         if isinstance(r, BaseException):
@@ -504,5 +524,6 @@ async def run_sessions(plans: list[SessionPlan], url: str, t0: float, hard_end: 
         else:
             rec = r.to_json()
         rec["client_stalls"] = [list(x) for x in stalls]
+        rec["client_lag"] = lag
         out.append(rec)
     return out

@@ -23,7 +23,8 @@ Definitions (also in docs/loadtest.md):
   utterance received and the ``cancelled`` reply. ``cancel_to_ack_ms``: to the reply only.
 * engine breakdown: every numeric field of ``utterance.done`` summarised (p50/p95/mean).
 * ``client_stalls``: periods when the load generator's own event loop did not run (a worker
-  process starved or blocked; ``loadtest.client.watch_stalls``). What the client measured then
+  process starved or blocked; ``loadtest.client.watch_stalls``), and the worst worker's probe
+  lateness (``client_lag``: p50 / p99 / max). What the client measured then
   is not the server's doing: a TTFA whose wait overlaps one (``client_stalled`` rows) and an
   underrun within ``STALL_MARGIN_S`` of one are reported again without them
   (``ttfa_ms_unstalled``, ``*_unstalled``). Many client stalls mean the run is invalid as a
@@ -73,16 +74,25 @@ def _overlaps(a: float, b: float, spans: Iterable[Iterable[float]], margin_s: fl
 
 
 def client_stall_summary(sessions: list[dict[str, Any]]) -> dict[str, Any]:
-    """The load generator's own stalls: count, total seconds, longest (ms). Sessions of one
+    """The load generator's own stalls: count, total seconds, longest (ms); and its event loops'
+    lateness (``client_lag``): the worst worker's p50 / p99 and the largest. Sessions of one
     worker share one list; each list is counted once."""
     seen: dict[tuple[Any, ...], list[list[float]]] = {}
+    lags: dict[Any, dict[str, Any]] = {}
     for s in sessions:
         st = s.get("client_stalls") or []
         seen[(s.get("t0"), tuple(tuple(x) for x in st))] = st
+        if s.get("client_lag"):
+            lags[s["client_lag"].get("worker")] = s["client_lag"]
     spans = [x for st in seen.values() for x in st]
     lengths = [(b - a) for a, b in spans]
+    ls = list(lags.values())
     return {"count": len(spans), "total_s": round(sum(lengths), 2),
-            "max_ms": round(max(lengths) * 1000.0, 1) if lengths else 0.0}
+            "max_ms": round(max(lengths) * 1000.0, 1) if lengths else 0.0,
+            "workers": len(ls),
+            "lag_p50_ms_worst": max((x["p50_ms"] for x in ls), default=0.0),
+            "lag_p99_ms_worst": max((x["p99_ms"] for x in ls), default=0.0),
+            "lag_max_ms": max((x["max_ms"] for x in ls), default=0.0)}
 
 
 def text_starved_gap(seg: dict[str, Any], slack_s: float = TEXT_STARVED_SLACK_S) -> bool:

@@ -74,16 +74,22 @@ defaults are the CPU ones): compiled with CUDA graphs, hundreds of sequences per
 largest bucket 256 rows, its forward compiled and in float16, arrivals under load admitted on a 50 ms
 tick, two engine cores sharing the GPU (bench/RESULTS.md says which of these each GPU figure was measured with). ``gateway.engine_cores`` stays 1
 where the group cannot be split in two: ``gateway.port`` 0 (one process) or an explicit odd
-``gateway.processes``."""
+``gateway.processes``; the decoder's dtype and compile stay the CPU ones when ``engine.decoder_device``
+puts the decoder on the CPU."""
+
+_DECODER_GPU_KEYS = frozenset({"engine.decoder_dtype", "engine.decoder_compile"})
 
 
 def on_cuda(cfg: Config) -> Config:
     """``cfg`` with ``GPU_DEFAULTS`` for every key not given explicitly (``Config.explicit``), but
-    ``gateway.engine_cores`` only where ``gateway.processes`` can be a multiple of it."""
+    ``gateway.engine_cores`` only where ``gateway.processes`` can be a multiple of it, and the
+    decoder's GPU keys only where the decoder runs on the GPU."""
     changed: dict[str, dict[str, Any]] = {}
     for key, value in GPU_DEFAULTS.items():
         if key == "gateway.engine_cores" and (
                 cfg.gateway.port == 0 or ("gateway.processes" in cfg.explicit and cfg.gateway.processes % value)):
+            continue
+        if key in _DECODER_GPU_KEYS and cfg.engine.decoder_device == "cpu":
             continue
         if key not in cfg.explicit:
             section, _, name = key.rpartition(".")

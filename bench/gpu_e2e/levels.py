@@ -258,6 +258,7 @@ def run_level(url: str, scenario: str, sessions: int, args: argparse.Namespace, 
         "segment_gaps_heard": g["segment_gaps_heard"],
         "qps": g["qps"],
         "shared_underruns": result["metrics"].get("shared_underruns"),
+        "client_stalls": result["metrics"].get("client_stalls") or {},
         "server_breakdown": result.get("server_breakdown") or {},
         "roles": {k: {m: v.get(m) for m in ("ttfa_ms", "ttfa_segment_ms", "underruns", "underrun_ms", "underruns_since",
                                            "underrun_ms_since", "sessions_with_underruns", "utterances", "completed")}

@@ -243,6 +243,12 @@ def render_markdown(d: dict[str, Any]) -> str:
             lines += ["GPT steps per decoder job (a job is a row per chunk_steps or fewer, each row one window; "
                       "the gateway's load lines): "
                       + "; ".join(dec) + ".", ""]
+        gen = [f"{r['name']} p50 {_f(c.get('lag_p50_ms_worst'), 1)} / p99 {_f(c.get('lag_p99_ms_worst'), 1)} / "
+               f"max {_f(c.get('lag_max_ms'))} ms, {c.get('count', 0)} stalls"
+               for r in rows if (c := r.get("client_stalls") or {}).get("workers")]
+        if gen:
+            lines += ["The load generator's own event-loop lateness (its worst worker; what it measures includes it): "
+                      + "; ".join(gen) + ".", ""]
         if e.get("skipped"):
             lines += ["Skipped: " + "; ".join(e["skipped"]), ""]
     lines += _burst_lines(d.get("burst"))

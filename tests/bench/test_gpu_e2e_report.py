@@ -56,3 +56,11 @@ def test_a_gateway_that_cannot_run_a_level_is_not_started(tmp_path: Path) -> Non
                         0, True, False)
     assert gw is None and info["error"].startswith("not started: a start (~165 s) and one level")
     assert not list(tmp_path.glob("gateway-*.log"))
+
+
+def test_the_report_shows_the_load_generators_own_lateness() -> None:
+    row = {"name": "e2e-closed-400", "scenario": "closed-loop", "sessions": 400, "qps": 6.0, "ttfa_ms": {}, "total_ms": {},
+           "n_errors": 0, "client_stalls": {"count": 1, "total_s": 0.3, "max_ms": 310.0, "workers": 7,
+                                            "lag_p50_ms_worst": 0.6, "lag_p99_ms_worst": 41.2, "lag_max_ms": 310.0}}
+    md = render_markdown({"e2e": {"levels": [row], "data_parallel_size": 1}})
+    assert "e2e-closed-400 p50 0.6 / p99 41.2 / max 310 ms, 1 stalls" in md

@@ -318,6 +318,10 @@ def test_automatic_settings_resolve_per_platform(tiny_model_dir: Path) -> None:
     kept = resolve_platform(mine, cuda=True)
     assert kept.engine.max_num_seqs == 64 and kept.engine.enforce_eager is True
     assert kept.engine.decoder_max_batch == GPU_DEFAULTS["engine.decoder_max_batch"]
+    # a decoder on the CPU keeps float32, not compiled (float16 has no fast CPU kernels)
+    cpu_decoder = resolve_platform(load_config(overrides={"engine.decoder_device": "cpu"}), cuda=True).engine
+    assert (cpu_decoder.decoder_dtype, cpu_decoder.decoder_compile) == ("float32", False)
+    assert cpu_decoder.decoder_max_batch == GPU_DEFAULTS["engine.decoder_max_batch"]
     with pytest.raises(ConfigError):
         GatewayConfig(processes=2, port=0)
     with pytest.raises(ConfigError):

@@ -208,10 +208,13 @@ def test_client_stalls_are_reported_and_left_out() -> None:
         _session(1, "burst", 4.0, 4.95, []),  # its wait spans the client's own stall
         _session(2, "burst", 5.0, 5.3, []),
     ]
-    for s in sessions:
+    for i, s in enumerate(sessions):  # two workers: sessions 0 and 1 share one
         s["client_stalls"] = stalls
+        s["client_lag"] = ({"worker": 7, "n": 90, "p50_ms": 0.4, "p99_ms": 12.0, "max_ms": 800.0} if i < 2 else
+                           {"worker": 8, "n": 90, "p50_ms": 0.9, "p99_ms": 3.0, "max_ms": 500.0})
     m = compute(sessions, wall_s=10.0, since_s=4.0)
-    assert m["client_stalls"] == {"count": 2, "total_s": 1.3, "max_ms": 800.0}
+    assert m["client_stalls"] == {"count": 2, "total_s": 1.3, "max_ms": 800.0, "workers": 2,
+                                  "lag_p50_ms_worst": 0.9, "lag_p99_ms_worst": 12.0, "lag_max_ms": 800.0}
     burst = m["roles"]["burst"]
     assert burst["ttfa_ms"]["n"] == 2 and burst["client_stalled_utterances"] == 1
     assert burst["ttfa_ms_unstalled"]["n"] == 1 and burst["ttfa_ms_unstalled"]["p50"] == pytest.approx(300.0)
@@ -224,16 +227,20 @@ async def test_watch_stalls_sees_a_blocked_event_loop() -> None:
     import asyncio
     import time as _time
 
-    from loadtest.client import watch_stalls
+    from loadtest.client import lag_summary, watch_stalls
 
     out: list[tuple[float, float]] = []
+    lags: list[float] = []
     t0 = _time.monotonic()
-    task = asyncio.create_task(watch_stalls(t0, out, probe_s=0.01, stall_ms=100.0))
+    task = asyncio.create_task(watch_stalls(t0, out, probe_s=0.01, stall_ms=100.0, lags_ms=lags))
     await asyncio.sleep(0.05)
     _time.sleep(0.3)  # noqa: ASYNC251  (the point: the loop cannot run)
     await asyncio.sleep(0.05)
     task.cancel()
     assert len(out) == 1 and 0.25 < out[0][1] - out[0][0] < 0.6
+    summary = lag_summary(lags)  # every probe's lateness, the blocked one included
+    assert summary["n"] >= 3 and 250.0 < summary["max_ms"] < 600.0 and summary["p50_ms"] < 100.0
+    assert lag_summary([]) == {"n": 0, "p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -261,6 +268,8 @@ def test_burst_run_against_fake_gateway(tmp_path: Path, fake_gateway_url: str) -
              "--burst-at", "1.5", "--duration", "4", "--background-chars", "300", "--utterance-chars", "60",
              "--workers", "2")
     assert r["missing_sessions"] == [] and r["workers"] == 2
+    gen = r["metrics"]["client_stalls"]  # each worker's own event-loop lateness, once per worker
+    assert gen["workers"] == 2 and 0.0 <= gen["lag_p50_ms_worst"] <= gen["lag_p99_ms_worst"] <= gen["lag_max_ms"]
     burst = r["metrics"]["roles"]["burst"]
     assert burst["ttfa_ms"]["n"] == 3 and burst["completed"] == 3
     assert 0 < burst["ttfa_ms"]["p50"] < 3_000
