@@ -335,6 +335,18 @@ async def test_engine_restarts_by_itself_after_a_crash() -> None:
     assert CRASH.get("recovered"), "the engine core came back but the gateway did not serve again"
 
 
+def _process_state(pid: int, t_kill: float, decoder: Any) -> str:
+    """Why a killed decoder still counts as healthy: its kernel state (a process in D state takes
+    SIGKILL only when its I/O ends), the time since the kill, what the client saw."""
+    try:
+        state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:"))
+    except (OSError, StopIteration):
+        state = "gone from /proc"
+    proc = decoder._proc
+    return (f"decoder pid {pid} {time.monotonic() - t_kill:.2f} s after SIGKILL: {state}; client's process "
+            f"{proc.pid if proc else None} poll={proc.poll() if proc else None}, failed={decoder.failed!r}")
+
+
 async def test_decoder_process_killed_mid_stream_then_recovery(vllm_parts: tuple[Any, Any],
                                                               make_gateway: GatewayFactory):
     """SIGKILL the decoder process under three streaming sessions: each gets ``engine_unavailable``
@@ -346,7 +358,8 @@ async def test_decoder_process_killed_mid_stream_then_recovery(vllm_parts: tuple
         old_pid = speech._decoder._proc.pid
         t_kill = time.monotonic()
         os.kill(old_pid, signal.SIGKILL)
-        assert await wait_until(lambda: not speech.health().healthy, within_s=2, interval=0.02)
+        down = await wait_until(lambda: not speech.health().healthy, within_s=2, interval=0.02)
+        assert down, _process_state(old_pid, t_kill, speech._decoder)
         status, body = await _healthz(server)
         assert status == 503 and body["engine_healthy"] is False, body
 
