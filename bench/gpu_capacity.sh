@@ -15,7 +15,8 @@
 #      ALT_MPS=1: the second gateway runs under CUDA MPS (a control daemon started for it and quit
 #      after it, so the machine is left as it was): the kernels of its engine cores and decoder may
 #      then run at the same time instead of time-slicing the GPU (ALT_ARGS may stay empty).
-# Budget: BUDGET_S seconds for the whole call (default 570).
+# Budget: BUDGET_S seconds for the whole call (default 570). Every 20 s the files so far are packed
+# into $OUT/all-cap.tgz, so a call cut short still returns them.
 # Timing seen on H100/H200 hosts: the first call on a fresh machine spends ~70 s in setup (the full
 # checkpoint is made once, 47 s) and its first gateway starts cold (torch.compile, graph capture:
 # 130-160 s); later gateways on the same machine start in 80-90 s. A 40-s level takes ~55 s with its
@@ -45,6 +46,10 @@ if [ -n "${DECODER_BENCH:-}" ]; then
 fi
 nvidia-smi dmon -s u -d 1 > "$RES/dmon.txt" 2>&1 &
 DMON=$!
+# every 20 s, everything so far as $OUT/all-cap.tgz (gpu_e2e saves after each level): a call cut
+# short (the machine taken back, the time limit) still brings back what it measured
+( while sleep 20; do tar czf "$OUT/snap.tgz.part" -C "$RES" . 2>/dev/null && mv "$OUT/snap.tgz.part" "$OUT/all-cap.tgz"; done ) &
+SNAP=$!
 
 spy_during() {  # $1: log to watch, $2: tag; py-spy (non-blocking) of core, decoder, gateway 0
   ( for _ in $(seq 900); do grep -q "${SPY_AT:-steady 400 sessions}" "$1" 2>/dev/null && break; sleep 1; done
@@ -93,7 +98,8 @@ if { [ -n "${ALT_ARGS:-}" ] || [ -n "${ALT_MPS:-}" ]; } && [ "$(left)" -gt 150 ]
   fi
   [ -n "${ALT_MPS:-}" ] && { mps_quit; cp -r "$CUDA_MPS_LOG_DIRECTORY" "$RES/mps-log" 2>/dev/null; }
 fi
-kill $DMON 2>/dev/null
+kill $DMON $SNAP 2>/dev/null
+wait $SNAP 2>/dev/null; rm -f "$OUT/snap.tgz.part"
 kill $(jobs -p) 2>/dev/null  # a spy whose SPY_AT never matched
 for f in "$RES"/spy-core-*.txt; do  # the engine core's busy-loop split (bench.spy_share)
   [ -f "$f" ] || continue
