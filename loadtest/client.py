@@ -30,6 +30,7 @@ import websockets
 from clients.python.client import NO_RETRY, Client, ClientRecorder, Utterance, VoicegwError
 from clients.python.playout import ClockedPlayout
 from gateway import protocol as P
+from loadtest.metrics import summarize
 from loadtest.netguard import check_local_url
 from loadtest.plan import MAX_UTTERANCES_PER_SESSION, SessionPlan, UtterancePlan, split_deltas, tokenize
 
@@ -494,11 +495,8 @@ async def watch_stalls(t0: float, out: list[tuple[float, float]], probe_s: float
 
 def lag_summary(lags_ms: list[float]) -> dict[str, float | int]:
     """A worker's probe lateness: sample count, p50 / p99 / max in ms (zeros without samples)."""
-    if not lags_ms:
-        return {"n": 0, "p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}
-    xs = sorted(lags_ms)
-    return {"n": len(xs), "p50_ms": round(xs[len(xs) // 2], 1),
-            "p99_ms": round(xs[min(len(xs) - 1, int(len(xs) * 0.99))], 1), "max_ms": round(xs[-1], 1)}
+    s = summarize(lags_ms)
+    return {"n": s["n"] or 0, **{f"{k}_ms": round(float(s[k] or 0.0), 1) for k in ("p50", "p99", "max")}}
 
 
 async def run_sessions(plans: list[SessionPlan], url: str, t0: float, hard_end: float) -> list[dict[str, Any]]:
