@@ -120,9 +120,10 @@ async def test_streamed_http_audio_is_not_buffered(balancer: Balancer, live: lis
     """Direct and proxied requests alternate, six pairs (two per replica), each request with every
     replica idle (the previous test's sessions finished, the dropped stream aborted). A buffering
     proxy holds the first bytes until its buffer fills: at 48 KB/s of 24 kHz PCM a 4-8 KB buffer
-    adds 85-170 ms to every proxied request, so the median of the pairs' differences must stay
-    under 50 ms. A slow engine step in one request moves one difference, not the median, and a
-    lucky fast direct request does not set the bar (as it did for a best-of-six ratio). One
+    adds 85-170 ms to every proxied request, so the best proxied first byte must stay within 50 ms
+    of the best direct one. First bytes of about 1 s come at random on a 2-core host, in either
+    column, up to half of one column (a median failed on them); the bests are their floors, and a
+    lucky fast direct request costs 50 ms of margin, not a third (as a 1.5x ratio did). One
     unmeasured request per replica first: a replica's first answers after its start can be slow,
     and the direct request of each pair, going first, would take that alone."""
     for r in live:
@@ -134,9 +135,9 @@ async def test_streamed_http_audio_is_not_buffered(balancer: Balancer, live: lis
         for target, times in ((f"http://127.0.0.1:{live[i % len(live)].port}", direct), (balancer.url, proxied)):
             await _until(functools.partial(_all_idle, live), 10.0, "every replica idle (the dropped stream aborted)")
             times.append(await asyncio.to_thread(_first_byte_s, target))
-    added = statistics.median(p - d for d, p in zip(direct, proxied, strict=True))
+    added = min(proxied) - min(direct)
     _report(f"{balancer.kind} first byte", direct_ms_p50=round(statistics.median(direct) * 1000),
-            proxied_ms_p50=round(statistics.median(proxied) * 1000), added_ms_median=round(added * 1000),
+            proxied_ms_p50=round(statistics.median(proxied) * 1000), added_ms_best=round(added * 1000),
             direct_ms_best=round(min(direct) * 1000), proxied_ms_best=round(min(proxied) * 1000))
     assert added <= 0.050, (direct, proxied)
 
