@@ -460,6 +460,7 @@ class VllmCodeEngine:
         queue = getattr(core, "outputs_queue", None)
         if queue is not None:
             queue.put_nowait(EngineDeadError())
+        _fail_waiting_streams(self._llm)
 
     async def close(self) -> None:
         task, self._control_task = self._control_task, None
@@ -478,6 +479,9 @@ class VllmCodeEngine:
             return
         for live in self._live.values():
             live.aborted = True
+        # vLLM's output handler hands an engine failure to every waiting request stream when it
+        # reads it; cancelled before that (a restart racing the failure), it never would
+        _fail_waiting_streams(llm)
         handler = getattr(llm, "output_handler", None)
         if handler is not None:
             handler.cancel()  # before the engine core goes away: no "engine dead" noise
@@ -786,6 +790,18 @@ class VllmCodeEngine:
         """The first ``n`` frames the worker holds for ``slot`` (its device history; tests)."""
         res = await self._llm.collective_rpc("voicegw_slot_frames", args=(slot, n))
         return np.asarray(res[0], dtype=np.int64).reshape(-1, self.info.num_vq)
+
+
+def _fail_waiting_streams(llm: Any) -> None:
+    """Every request stream of ``llm`` still open raises ``EngineDeadError`` at its next read
+    (``generate`` turns it into an unrecoverable ``EngineError``), at once rather than whenever
+    vLLM's output handler reads the failure: a stream left waiting on a dead or shut-down engine
+    core would never end."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    processor = getattr(llm, "output_processor", None)
+    if processor is not None:
+        processor.propagate_error(EngineDeadError())
 
 
 def _vllm_version() -> str:

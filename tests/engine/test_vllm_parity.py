@@ -255,8 +255,10 @@ async def test_abort_frees_the_request(vllm_engine: Any) -> None:
 
 
 async def test_engine_crash_is_unrecoverable_then_restart(vllm_engine: Any, reference_engine: Any) -> None:
-    """Kill the engine-core process: every caller gets EngineError(UNRECOVERABLE), no hang;
-    health() says so; restart() brings the engine back (runs last: it restarts the session engine)."""
+    """Kill the engine-core process: every caller gets EngineError(UNRECOVERABLE), no hang, also
+    when the engine is shut down before vLLM's output handler has read the failure (a watchdog's
+    restart racing it: the handler is cancelled); health() says so; restart() brings the engine
+    back (runs last: it restarts the session engine)."""
     import psutil
 
     # long requests, and the kill as soon as all three stream (a fast host finishes 400 steps in
@@ -281,6 +283,7 @@ async def test_engine_crash_is_unrecoverable_then_restart(vllm_engine: Any, refe
         assert cores, [p.name() for p in mine]
         for p in cores:
             os.kill(p.pid, signal.SIGKILL)
+        await vllm_engine._shutdown()  # what restart() does first: before the handler reads the failure
         errors = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
         assert all(isinstance(e, EngineError) and e.kind == EngineErrorKind.UNRECOVERABLE for e in errors), errors
         health = vllm_engine.health()
