@@ -322,17 +322,4 @@ def decoder_jobs(load_lines: list[str], t0: float, t1: float) -> dict[str, float
     return out
 
 
-def max_realtime(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    steady = sorted((r for r in rows if r["scenario"] == "steady" and not r.get("ramp_level")),
-                    key=lambda r: r["sessions"])
-    ok = [r["sessions"] for r in steady if r["realtime"]]
-    first_fail = next((r["sessions"] for r in steady if not r["realtime"]), None)
-    return {
-        "max_realtime_sessions": max(ok) if ok else 0,
-        "first_failing_sessions": first_fail,
-        "monotone": first_fail is None or not ok or max(ok) < first_fail,
-        "tested": [r["sessions"] for r in steady],
-    }
-
-
 # ---------------------------------------------------------------------------------- phases

@@ -30,7 +30,8 @@ from bench.gpu_e2e.host import (
     query_gpus,
     tail_text,
 )
-from bench.gpu_e2e.levels import Gateway, decoder_jobs, gateway_cmd, level_estimate_s, max_realtime, run_level
+from bench.gpu_e2e.levels import Gateway, decoder_jobs, gateway_cmd, level_estimate_s, run_level
+from bench.gpu_e2e.report import max_realtime
 
 
 def _has_upstream() -> bool:

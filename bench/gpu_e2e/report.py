@@ -86,6 +86,21 @@ def _floor_aggregate(d: dict[str, Any], concurrency: int) -> float | None:
     return None
 
 
+def max_realtime(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The largest steady level (arrival-ramp levels included) heard with no underrun, the
+    smallest that had one, whether passing is monotone in the session count, and the levels
+    tested. The report's headline and its summary line both read this."""
+    steady = sorted((r for r in rows if r["scenario"] == "steady"), key=lambda r: r["sessions"])
+    ok = [r["sessions"] for r in steady if r["realtime"]]
+    first_fail = next((r["sessions"] for r in steady if not r["realtime"]), None)
+    return {
+        "max_realtime_sessions": max(ok) if ok else 0,
+        "first_failing_sessions": first_fail,
+        "monotone": first_fail is None or not ok or max(ok) < first_fail,
+        "tested": [r["sessions"] for r in steady],
+    }
+
+
 def headline(d: dict[str, Any], key: str = "e2e") -> dict[str, Any]:
     """The capacity figures of one gateway phase under fixed names: the largest steady level (ramp
     levels included) heard with no underrun, the 400-session level's underruns and TTFA p99 (text
@@ -97,10 +112,9 @@ def headline(d: dict[str, Any], key: str = "e2e") -> dict[str, Any]:
     steady = [r for r in rows if r.get("scenario") == "steady"]
     wl = next((r.get("workload") for r in rows if r.get("workload")), None)
     out: dict[str, Any] = {"workload": wl}
-    ok = [r["sessions"] for r in steady if r.get("realtime")]
     # a ladder of steady levels (not only arrival-ramp levels) says how many sessions fit
     ladder = any(not r.get("ramp_level") for r in steady)
-    out["max_realtime_sessions"] = (max(ok) if ok else 0) if ladder else None
+    out["max_realtime_sessions"] = max_realtime(steady)["max_realtime_sessions"] if ladder else None
     for r in steady:
         tag = f"{r['sessions']}" + (f"_ramp{r['ramp_s']:g}" if r.get("ramp_level") else "")
         out[f"underruns_{tag}"] = r.get("underruns")

@@ -64,3 +64,22 @@ def test_the_report_shows_the_load_generators_own_lateness() -> None:
                                             "lag_p50_ms_worst": 0.6, "lag_p99_ms_worst": 41.2, "lag_max_ms": 310.0}}
     md = render_markdown({"e2e": {"levels": [row], "data_parallel_size": 1}})
     assert "e2e-closed-400 p50 0.6 / p99 41.2 / max 310 ms, 1 stalls" in md
+
+
+def test_the_largest_real_time_level_is_one_figure() -> None:
+    """The headline and the summary line name the same largest level with no underrun, arrival-ramp
+    levels included (a report once said 600 in one and 64 in the other)."""
+    from bench.gpu_e2e.report import headline, max_realtime
+
+    def level(n: int, ramp_s: float, ok: bool) -> dict[str, Any]:
+        return {"name": f"e2e-{n}", "scenario": "steady", "sessions": n, "ramp_s": ramp_s, "ramp_level": ramp_s > 0,
+                "realtime": ok, "underruns": 0 if ok else 337, "ttfa_ms": {}, "ttfa_segment_ms": {},
+                "rtf_p50": 1.0, "rtf_p5": 1.0, "sessions_with_underruns": 0 if ok else 153, "underrun_ms": 0,
+                "completed": n, "utterances": n, "n_errors": 0, "server_rss_peak_mib": 900}
+
+    rows = [level(1, 0, True), level(64, 0, True), level(400, 10, True), level(600, 16, True), level(800, 16, False)]
+    d = {"e2e": {"levels": rows, "data_parallel_size": 1, "summary": max_realtime(rows)}}
+    assert d["e2e"]["summary"]["max_realtime_sessions"] == headline(d)["max_realtime_sessions"] == 600
+    assert d["e2e"]["summary"]["first_failing_sessions"] == 800
+    md = render_markdown(d)
+    assert "**Largest session count real time with zero underruns: 600** (tested [1, 64, 400, 600, 800]" in md
