@@ -6,8 +6,9 @@ A run file (``bench/results/runs/run-<date>-<commit7>-<slug>.json``) holds::
      "figures": {"<name>": number | null, ...}, "detail": {...}}
 
 ``detail`` (free-form tables) and ``time`` (``HH:MM`` UTC, orders runs of one date) are optional.
-``bench/results/gpu-latest.json`` is not edited by hand: ``latest`` builds it from the run files,
-taking each key of ``LATEST_KEYS`` from the newest run that has it (null where none has).
+``bench/results/gpu-latest.json`` is not edited by hand: ``latest`` builds it from the run files
+of the reference GPU (``REFERENCE_DEVICE``), taking each key of ``LATEST_KEYS`` from the newest run
+that has it (null where none has). Runs on another device stay as run files, figures and all.
 
     python -m bench.results latest [--dir bench/results] [--write]   # print (or write) gpu-latest.json
     python -m bench.results check [--dir bench/results]              # validate runs, compare gpu-latest.json
@@ -38,6 +39,10 @@ LATEST_FILE = "gpu-latest.json"
 #: Decoder: bench.decoder_bench. Gateway: bench.gpu_e2e's short-answer `steady` workload (160-char
 #: answers at 40 tok/s; `400_ramp16` = 400 sessions arriving over 16 s) and its closed loop at 512.
 #: Conversation: bench.gpu_e2e --workload conversation.
+#: gpu-latest.json holds this GPU's figures (the one the capacity targets are set for): a run file
+#: counts when its ``device`` names it.
+REFERENCE_DEVICE = "H200"
+
 LATEST_KEYS: tuple[str, ...] = (
     "conversation_max_realtime_sessions",
     "conversation_underruns_400",
@@ -201,13 +206,14 @@ def run_files(results_dir: str | Path) -> list[Path]:
 
 
 def latest(results_dir: str | Path = RESULTS_DIR) -> dict[str, Any]:
-    """gpu-latest.json's content: each of LATEST_KEYS from the newest run that has it, else null.
+    """gpu-latest.json's content: each of LATEST_KEYS from the newest run on ``REFERENCE_DEVICE``
+    that has it, else null.
 
     Newest = latest (date, time); runs without a time count as the start of their day, and equal
     stamps fall back to the file name. ``generated_from`` lists the runs that gave a value, newest
     first; ``date``/``commit`` are those of the newest of them (null when no run gave one).
     """
-    runs = [(p.name, load_run(p)) for p in run_files(results_dir)]
+    runs = [(p.name, run) for p in run_files(results_dir) if REFERENCE_DEVICE in (run := load_run(p))["device"]]
     runs.sort(key=lambda nr: (nr[1]["date"], nr[1].get("time", ""), nr[0]), reverse=True)
     values: dict[str, float | int | None] = {}
     used: list[tuple[str, dict[str, Any]]] = []

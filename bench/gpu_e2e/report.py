@@ -76,14 +76,22 @@ def _closed_rows(engine: str, rows: list[dict[str, Any]], only: set[int] | None 
     return out
 
 
+def _floor_rows(d: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """The engine floor's rows (``bench.engine_bench``, the plugin) by concurrency, each from the
+    compiled run where it has one."""
+    out: dict[int, dict[str, Any]] = {}
+    for run in (d.get("floor") or {}).get("runs") or []:
+        for r in run.get("rows") or []:
+            c = r.get("concurrency")
+            if r.get("backend") == "vllm" and r.get("aggregate_steps_per_s") and (c not in out or run.get("compiled")):
+                out[int(c)] = r
+    return out
+
+
 def _floor_aggregate(d: dict[str, Any], concurrency: int) -> float | None:
     """The engine floor's aggregate steps/s at ``concurrency`` streams (compiled run first)."""
-    runs = sorted((d.get("floor") or {}).get("runs") or [], key=lambda r: not r.get("compiled"))
-    for run in runs:
-        for r in run.get("rows") or []:
-            if r.get("backend") == "vllm" and r.get("concurrency") == concurrency and r.get("aggregate_steps_per_s"):
-                return float(r["aggregate_steps_per_s"])
-    return None
+    r = _floor_rows(d).get(concurrency)
+    return float(r["aggregate_steps_per_s"]) if r else None
 
 
 def max_realtime(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -105,8 +113,9 @@ def headline(d: dict[str, Any], key: str = "e2e") -> dict[str, Any]:
     """The capacity figures of one gateway phase under fixed names: the largest steady level (ramp
     levels included) heard with no underrun, the 400-session level's underruns and TTFA p99 (text
     wait included), every closed-loop level's delivered GPT steps/s against the engine floor at the
-    same concurrency from the same call, the floor at 512 streams, and each level's GPT steps per
-    decoder job. ``None`` where not measured."""
+    same concurrency from the same call, each level's GPT steps per decoder job, and the engine floor
+    at each concurrency it ran (``engine_aggregate_cC``, ``engine_stream_steps_per_s_cC``,
+    ``engine_ttft_p50_ms_cC``). ``None`` where not measured."""
     e = d.get(key) or {}
     rows = [r for r in e.get("levels") or [] if "failed" not in r]
     steady = [r for r in rows if r.get("scenario") == "steady"]
@@ -131,7 +140,11 @@ def headline(d: dict[str, Any], key: str = "e2e") -> dict[str, Any]:
         out[f"floor_aggregate_steps_per_s_c{n}"] = floor
         out[f"delivered_steps_ratio_{n}"] = round(got / floor, 3) if got and floor else None
         out[f"steps_per_decoder_job_closed_{n}"] = r.get("steps_per_decoder_job")
-    out["floor_aggregate_steps_per_s_c512"] = _floor_aggregate(d, 512)
+    # the floor under bench.results' engine names (as bench.engine_bench's own run file writes them)
+    for c, r in sorted(_floor_rows(d).items()):
+        out[f"engine_aggregate_c{c}"] = r.get("aggregate_steps_per_s")
+        out[f"engine_stream_steps_per_s_c{c}"] = r.get("steps_per_s_per_stream")
+        out[f"engine_ttft_p50_ms_c{c}"] = r.get("ttft_p50_ms")
     return out
 
 

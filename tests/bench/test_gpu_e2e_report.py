@@ -83,3 +83,22 @@ def test_the_largest_real_time_level_is_one_figure() -> None:
     assert d["e2e"]["summary"]["first_failing_sessions"] == 800
     md = render_markdown(d)
     assert "**Largest session count real time with zero underruns: 600** (tested [1, 64, 400, 600, 800]" in md
+
+
+def test_the_engine_floor_counts_under_the_engine_names() -> None:
+    """The floor phase is bench.engine_bench: its rows give the run file the engine figures
+    (``engine_aggregate_c512``...) of the same call, the compiled run's where it has them."""
+    from bench.gpu_e2e.report import headline, latest_figures
+    from bench.results import LATEST_KEYS
+
+    def row(c: int, agg: float) -> dict[str, Any]:
+        return {"backend": "vllm", "concurrency": c, "ttft_p50_ms": 8.0, "steps_per_s_per_stream": agg / c,
+                "aggregate_steps_per_s": agg}
+
+    floor = {"runs": [{"compiled": False, "rows": [row(1, 500.0), row(512, 30000.0), row(256, 20000.0)]},
+                      {"compiled": True, "rows": [row(1, 800.0), row(512, 44963.0)]}]}
+    figs = latest_figures(headline({"floor": floor, "e2e": {"levels": []}}))
+    assert figs["engine_aggregate_c512"] == 44963.0 and figs["engine_stream_steps_per_s_c1"] == 800.0
+    assert figs["engine_aggregate_c256"] == 20000.0  # only the eager run had it
+    assert figs["engine_ttft_p50_ms_c1"] == 8.0
+    assert {"engine_aggregate_c512", "engine_ttft_p50_ms_c1"} <= set(LATEST_KEYS)

@@ -32,11 +32,11 @@ def test_gpu_latest_is_generated_from_the_runs() -> None:
     assert br.check(RESULTS) == []
 
 
-def _write(d: Path, date: str, figures: dict[str, float | int | None], slug: str) -> Path:
+def _write(d: Path, date: str, figures: dict[str, float | int | None], slug: str, device: str = "NVIDIA H200") -> Path:
     return br.write_run(
         d,
         command="python -m bench.x",
-        device="cpu",
+        device=device,
         figures=figures,
         date=date,
         slug=slug,
@@ -81,6 +81,18 @@ def test_latest_newest_wins_and_missing_is_null(tmp_path: Path) -> None:
     assert got["generated_from"] == ["run-2026-12-02-abcdef1-new.json", "run-2026-12-01-abcdef1-old.json"]
     assert got["date"] == "2026-12-02" and got["commit"] == "abcdef1234567890"
     assert set(got) == FIXED | set(br.LATEST_KEYS)
+
+
+def test_latest_takes_the_reference_gpu_only(tmp_path: Path) -> None:
+    """A newer run on another device (an H100 lent instead, a CPU) stays a run file; gpu-latest.json
+    keeps the H200's figures."""
+    runs = tmp_path / "runs"
+    _write(runs, "2026-12-01", {"engine_aggregate_c512": 42700.0}, "h200", device="1x NVIDIA H200, vLLM 0.26.0")
+    _write(runs, "2026-12-05", {"engine_aggregate_c512": 44963.0, "decoder_ms_batch1": 1.0}, "h100",
+           device="NVIDIA H100 80GB HBM3")
+    got = br.latest(tmp_path)
+    assert got["engine_aggregate_c512"] == 42700.0 and got["decoder_ms_batch1"] is None
+    assert got["generated_from"] == ["run-2026-12-01-abcdef1-h200.json"]
 
 
 def test_latest_orders_one_day_by_time(tmp_path: Path) -> None:
