@@ -88,12 +88,6 @@ def _floor_rows(d: dict[str, Any]) -> dict[int, dict[str, Any]]:
     return out
 
 
-def _floor_aggregate(d: dict[str, Any], concurrency: int) -> float | None:
-    """The engine floor's aggregate steps/s at ``concurrency`` streams (compiled run first)."""
-    r = _floor_rows(d).get(concurrency)
-    return float(r["aggregate_steps_per_s"]) if r else None
-
-
 def max_realtime(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The largest steady level (arrival-ramp levels included) heard with no underrun, the
     smallest that had one, whether passing is monotone in the session count, and the levels
@@ -131,17 +125,17 @@ def headline(d: dict[str, Any], key: str = "e2e") -> dict[str, Any]:
         out[f"seg_ttfa_p50_ms_{tag}"] = (r.get("ttfa_segment_ms") or {}).get("p50")
         out[f"seg_ttfa_p99_ms_{tag}"] = (r.get("ttfa_segment_ms") or {}).get("p99")
         out[f"steps_per_decoder_job_{tag}"] = r.get("steps_per_decoder_job")
+    floors = _floor_rows(d)
     for r in rows:
         if r.get("scenario") != "closed-loop":
             continue
         n, got = r["sessions"], r.get("delivered_steps_per_s")
-        floor = _floor_aggregate(d, n)
+        floor = (floors.get(n) or {}).get("aggregate_steps_per_s")  # engine_aggregate_c{n} below
         out[f"delivered_steps_per_s_closed_{n}"] = got
-        out[f"floor_aggregate_steps_per_s_c{n}"] = floor
         out[f"delivered_steps_ratio_{n}"] = round(got / floor, 3) if got and floor else None
         out[f"steps_per_decoder_job_closed_{n}"] = r.get("steps_per_decoder_job")
     # the floor under bench.results' engine names (as bench.engine_bench's own run file writes them)
-    for c, r in sorted(_floor_rows(d).items()):
+    for c, r in sorted(floors.items()):
         out[f"engine_aggregate_c{c}"] = r.get("aggregate_steps_per_s")
         out[f"engine_stream_steps_per_s_c{c}"] = r.get("steps_per_s_per_stream")
         out[f"engine_ttft_p50_ms_c{c}"] = r.get("ttft_p50_ms")
