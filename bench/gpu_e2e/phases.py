@@ -201,10 +201,14 @@ def _start_gateway(args: argparse.Namespace, budget: Budget, dp: int, name: str,
     try:
         gw.start(timeout)
     except (RuntimeError, TimeoutError) as exc:
+        why, _, tail = str(exc).partition("\n")
         info.setdefault("attempt_failures", []).append(
-            {"cuda_graphs": not eager, "async_scheduling": async_sched, "stage": "start", "error": str(exc)[-3000:]})
-        print(f"gateway ({name}) failed to start: {str(exc)[-1500:]}", flush=True)
+            {"cuda_graphs": not eager, "async_scheduling": async_sched, "stage": "start", "error": why,
+             "log_tail": tail[-3000:]})
+        print(f"gateway ({name}) failed to start: {why}\n{tail[-1500:]}", flush=True)
         _gateway_log_facts(log, info)
+        if isinstance(exc, TimeoutError):  # slow, not faulty: other engine settings would not start sooner
+            info["error"] = why
         return None
     info["start_s"] = round(gw.start_s or 0.0, 1)
     info["healthz"] = gw.health

@@ -166,7 +166,7 @@ def render_markdown(d: dict[str, Any]) -> str:
     runs = d.get("runs") or []
     if runs:
         lines.append(f"Measured {runs[-1].get('date', '?')} on {host.get('hostname', '?')}: {host.get('cpus')} CPU "
-                     f"cores, Python {host.get('python')}, torch {host.get('torch')}, vLLM {host.get('vllm')}. "
+                     f"cores ({host.get('cpu_model') or 'model unknown'}), Python {host.get('python')}, torch {host.get('torch')}, vLLM {host.get('vllm')}. "
                      "ChatTTS-shaped checkpoint with random weights "
                      f"({(d.get('checkpoint') or {}).get('size', '?')}): it stops at random, so the gateway runs "
                      "with `session.min_audio_ms_per_unit` (see the command: 32 ms per text unit, half of "

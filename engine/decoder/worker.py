@@ -280,7 +280,16 @@ def serve(args: dict[str, Any], socks: list[socket.socket]) -> None:
     max_batch = int(args["max_batch"])
     dec = WindowDecoder(voc, spec, max_batch, compute_dtype=str(args.get("dtype") or "float32"),
                         compile_forward=bool(args.get("compile")))
+    t_warm = time.perf_counter()
     dec.warm_up()
+    warm_up_s = time.perf_counter() - t_warm
+    graphs = 0
+    if dec.compile_forward:
+        from torch._dynamo.utils import counters
+
+        graphs = int(counters["stats"]["unique_graphs"])
+    print(f"decoder process {os.getpid()}: warmed up in {warm_up_s:.1f} s ({device}, {dec.compute_dtype}, "
+          f"{graphs} compiled graphs, buckets {dec.buckets})", file=sys.stderr, flush=True)
     slots, out_cap = int(args["slots"]), int(args["out_cap_steps"]) * geo.samples_per_step
     per = int(args.get("slots_per_client") or slots)
     mm, flat = map_file(args["shm_path"], slots * out_cap * 4, create=False, dtype=np.float32)
@@ -296,7 +305,8 @@ def serve(args: dict[str, Any], socks: list[socket.socket]) -> None:
         "stage_reaches": [[r.left, r.right] for r in geo.stage_reaches],
         "lookahead_steps": la, "exact": spec.exact, "window_steps": spec.window_steps, "left_steps": spec.left_steps,
         "buckets": dec.buckets, "device": device, "dtype": str(dec.compute_dtype).removeprefix("torch."),
-        "compiled": dec.compile_forward, "pid": os.getpid(), "clients": len(socks),
+        "compiled": dec.compile_forward, "compiled_graphs": graphs, "warm_up_s": round(warm_up_s, 2),
+        "pid": os.getpid(), "clients": len(socks),
     }
     live: dict[int, socket.socket] = dict(enumerate(socks))
     jobs: dict[int, tuple[int, int]] = {}  # worker job id -> (client, the client's job id)

@@ -102,3 +102,27 @@ def test_the_engine_floor_counts_under_the_engine_names() -> None:
     assert figs["engine_aggregate_c256"] == 20000.0  # only the eager run had it
     assert figs["engine_ttft_p50_ms_c1"] == 8.0
     assert {"engine_aggregate_c512", "engine_ttft_p50_ms_c1"} <= set(LATEST_KEYS)
+
+
+def test_a_start_that_times_out_is_not_tried_again(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
+    """A gateway not healthy in time: the reason (not the log's last line) is what is printed and
+    recorded first, and no other engine settings are tried (they would not start sooner)."""
+    from bench.gpu_e2e import phases
+    from bench.gpu_e2e.cli import apply_defaults, build_parser
+    from bench.gpu_e2e.host import Budget
+
+    def slow(self: Any, timeout_s: float) -> None:
+        raise TimeoutError(f"gateway not healthy after {timeout_s:.0f} s:\n... WARNING tokenizer is not initialized")
+
+    monkeypatch.setattr(phases.Gateway, "start", slow)
+    monkeypatch.setattr(phases, "wait_gpu_released", lambda gpu: None)
+    args = build_parser().parse_args(["--device", "cpu", "--workload", "conversation", "--out", str(tmp_path)])
+    apply_defaults(args)
+    args.out = tmp_path
+    info: dict[str, Any] = {}
+    gw = phases._start_gateway(args, Budget(3.0), 1, "e2e", tmp_path / "state", info, None,  # type: ignore[arg-type]
+                               0, True, False)
+    assert gw is None and info["error"].startswith("gateway not healthy after")
+    assert info["attempt_failures"][0]["error"] == info["error"]
+    assert "tokenizer" in info["attempt_failures"][0]["log_tail"]
+    assert "failed to start: gateway not healthy after" in capsys.readouterr().out

@@ -386,6 +386,28 @@ def test_decoder_dtype_stays_close_to_float32(vocoders: dict) -> None:
             WindowDecoder(voc, spec, 4, compute_dtype=unknown)
 
 
+def test_forwards_of_different_sizes_in_one_bucket_are_independent(vocoders: dict) -> None:
+    """A forward's inputs and samples pass through host buffers that every call reuses: a batch of
+    one after a batch of three in the same bucket (rows left over from the larger batch are padding),
+    and the three again, each give what a fresh decoder gives; the returned samples are a view that
+    the next call overwrites (the decoder process copies them out before its next forward)."""
+    voc = vocoders[("tiny", "codes")]
+    spec = WindowSpec(voc.geometry, 16, 8)
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 625, (3, spec.window_steps, voc.front.step_dim))
+    start = np.array([0, -spec.left_steps, 60])
+    end = start + np.array([spec.window_steps, 20, spec.window_steps])
+    one = (rng.integers(0, 625, (1, spec.window_steps, voc.front.step_dim)), np.array([10]), np.array([40]))
+    fresh3 = WindowDecoder(voc, spec, 4).run(x, start, end).copy()
+    fresh1 = WindowDecoder(voc, spec, 4).run(*one).copy()
+    dec = WindowDecoder(voc, spec, 4)
+    first = dec.run(x, start, end)
+    np.testing.assert_array_equal(first, fresh3)
+    np.testing.assert_array_equal(dec.run(*one), fresh1)
+    assert not np.array_equal(first[0], fresh3[0])  # overwritten by the second call
+    np.testing.assert_array_equal(dec.run(x, start, end), fresh3)
+
+
 def test_default_left_context_is_float32_exact(vocoders: dict) -> None:
     """The default left context (24 of the 52 steps the reach allows), alone: with a lookahead one
     step short of exact, the streamed samples equal the whole decode's to float32 noise on the
