@@ -45,9 +45,13 @@ class GatewayConfig(Checked):
     """vLLM engine-core processes the gateway processes are spread over, evenly (``processes``
     must be a multiple), all on the one device: each core has its own scheduler, batch, KV cache
     (``engine.gpu_memory_utilization`` split evenly on a GPU; ``engine.kv_cache_gib`` each on CPU)
-    and decoder process; the kernel spreads connections over the gateway processes, so sessions
+    and decoder process (``decoder_per_core``); the kernel spreads connections over the gateway processes, so sessions
     spread over the cores. One core steps one batch at a time from one Python thread: a second
     core adds the host time the first cannot give (bench/RESULTS.md)."""
+    decoder_per_core: bool = True
+    """A decoder process per engine core, serving that core's gateway processes; false: one decoder
+    process for all of them (one CUDA context fewer time-slicing the GPU, batches gathering the rows
+    of every core, one process's host thread for all the decoding)."""
     auth_tokens: tuple[str, ...] = ()
     """Bearer tokens accepted (header ``Authorization: Bearer``, subprotocol ``voicegw.token.<t>``
     or query ``?token=``). Empty: no auth (development only)."""

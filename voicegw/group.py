@@ -27,10 +27,11 @@ uses), not a broker of ours:
 * **Port**: every gateway process binds ``gateway.host:port`` with ``SO_REUSEPORT``. A client's
   retry/resume is stateless on the server (the client resends from a segment boundary), so a
   reconnect may land on any process.
-* **Decoder**: one decoder process per engine core, started here once the engine cores are up, one
-  socket and one range of sample rows per gateway process (``engine.vllm.launch.shared_decoder_plan``):
-  one batch for the core's sessions, rather than one decoder per gateway process with a quarter of
-  the batch each (bench/RESULTS.md).
+* **Decoder**: one decoder process per engine core (``gateway.decoder_per_core``; false: one for
+  all the cores), started here once the engine cores are up, one socket and one range of sample
+  rows per gateway process (``engine.vllm.launch.shared_decoder_plan``): one batch for the sessions
+  it serves, rather than one decoder per gateway process with a quarter of the batch each
+  (bench/RESULTS.md).
 * **Failure, healed**: when an engine core dies, this process tells its gateway processes (vLLM's
   client of an engine core it did not start cannot see it: ``{"event": "dead"}`` on each one's
   control pipe, ``SharedClient.control``; their sessions get ``engine_unavailable`` and 1011,
@@ -108,6 +109,14 @@ def _gateway_process(cfg: Config, shared: SharedClient) -> None:
     sys.exit(run_gateway(cfg, speech))
 
 
+def decoder_layout(processes: int, cores: int, per_core: bool) -> tuple[int, int]:
+    """(decoder processes, gateway processes per decoder process) for ``processes`` gateway
+    processes on ``cores`` engine cores: decoder ``d`` serves gateway processes ``d*k`` to
+    ``d*k + k - 1``, which are the processes of cores ``d*cores/decoders`` onwards."""
+    n_dec = cores if per_core else 1
+    return n_dec, processes // n_dec
+
+
 def serve_group(cfg: Config, model_dir: str) -> int:
     """``voicegw serve`` with ``gateway.processes`` > 1 (see the module docstring). Returns the
     exit code: 0 after a signal, 1 when a process of the group died, 2 when it could not start."""
@@ -143,9 +152,10 @@ def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameT
     ctx = multiprocessing.get_context("spawn")
     from engine.decoder.client import spawn_worker
 
-    plans = []  # per core: (decoder settings, its clients' shares, the worker's ends, samples file)
-    for _ in range(cores):
-        plan = shared_decoder_plan(cfg.engine, model_dir, proto.device, m)
+    n_dec, k = decoder_layout(n, cores, cfg.gateway.decoder_per_core)
+    plans = []  # per decoder: (its settings, its clients' shares, the worker's ends, samples file)
+    for _ in range(n_dec):
+        plan = shared_decoder_plan(cfg.engine, model_dir, proto.device, k, cores // n_dec)
         made.append(plan[3])
         plans.append(plan)
 
@@ -159,7 +169,7 @@ def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameT
             for j, c in enumerate(configs):
                 i = core * m + j  # the process's place in the group: its frame-table slots
                 theirs_end, ours_end = ctx.Pipe(duplex=False)
-                shared = SharedClient(c, j, m, table.spec.to_env(), i * per, (i + 1) * per, loads, plans[core][1][j],
+                shared = SharedClient(c, j, m, table.spec.to_env(), i * per, (i + 1) * per, loads, plans[i // k][1][i % k],
                                       control=theirs_end)
                 p = ctx.Process(target=_gateway_process, args=(cfg, shared), name=f"voicegw-gateway-{i}")
                 with _lifeline_env():  # started from this thread: PR_SET_PDEATHSIG is safe there
@@ -185,15 +195,15 @@ def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameT
 
         launched[core] = launch_core(core_config(proto, table, m, 1 / cores), m, send)
 
-    def heal_decoder(core: int) -> None:
-        """A new decoder process for dead decoder ``core``: its gateway processes get their shares
+    def heal_decoder(d: int) -> None:
+        """A new decoder process for dead decoder ``d``: its gateway processes get their shares
         (sockets included: multiprocessing passes them) and attach by themselves."""
-        settings, shares, theirs, path = shared_decoder_plan(cfg.engine, model_dir, proto.device, m)
+        settings, shares, theirs, path = shared_decoder_plan(cfg.engine, model_dir, proto.device, k, cores // n_dec)
         made.append(path)
         try:
             for j, share in enumerate(shares):
-                controls[core * m + j].send({"event": "decoder", "share": share})
-            decoders[core] = spawn_worker(settings, theirs, path, settings.slots)
+                controls[d * k + j].send({"event": "decoder", "share": share})
+            decoders[d] = spawn_worker(settings, theirs, path, settings.slots)
         finally:
             for t in theirs:
                 t.close()

@@ -126,14 +126,16 @@ def core_config(proto: VllmCodeEngine, table: FrameTable, count: int, memory_sha
     return args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
 
 
-def shared_decoder_plan(cfg: EngineConfig, model_dir: str, device: str, count: int) -> tuple[Any, list[Any], list[Any], str]:
-    """One decoder process for ``count`` clients: its settings (slots per client), each client's
-    share, the worker's ends and the samples file's path (``engine.decoder.client.shared_plan``)."""
+def shared_decoder_plan(cfg: EngineConfig, model_dir: str, device: str, count: int,
+                        cores: int = 1) -> tuple[Any, list[Any], list[Any], str]:
+    """One decoder process for ``count`` clients of ``cores`` engine cores: its settings (slots per
+    client), each client's share, the worker's ends and the samples file's path
+    (``engine.decoder.client.shared_plan``)."""
     from engine.decoder.client import shared_plan
     from engine.speech import build_decoder
 
     settings = build_decoder(cfg, model_dir, device=cfg.decoder_device or device).settings
-    settings.slots = math.ceil(2 * cfg.max_num_seqs / count) + 32
+    settings.slots = math.ceil(2 * cfg.max_num_seqs * cores / count) + 32
     shares, theirs, path = shared_plan(settings, count)
     return settings, shares, theirs, path
 

@@ -277,6 +277,20 @@ async def test_the_group_heals_when_one_of_its_engine_cores_dies(tiny_model_dir:
             await proc.wait()
 
 
+def test_decoder_processes_serve_whole_engine_cores() -> None:
+    """``gateway.decoder_per_core``: a decoder process per engine core serves that core's gateway
+    processes; false: one serves them all (each gateway process's decoder share is
+    ``plans[i // k][i % k]``)."""
+    from voicegw.group import decoder_layout
+
+    assert decoder_layout(4, 2, True) == (2, 2)  # processes 0-1 (core 0) on decoder 0, 2-3 on decoder 1
+    assert decoder_layout(4, 2, False) == (1, 4)
+    assert decoder_layout(2, 1, True) == decoder_layout(2, 1, False) == (1, 2)
+    n, k = decoder_layout(6, 3, True)
+    cores_of = [[i // 2 for i in range(6) if i // k == d] for d in range(n)]  # core of process i: i // (6 / 3)
+    assert cores_of == [[0, 0], [1, 1], [2, 2]]
+
+
 def test_engine_core_restarts_are_bounded() -> None:
     """The launcher replaces a dead engine core at most 3 times in 10 minutes, then stops the group."""
     from voicegw.group import RestartBudget
