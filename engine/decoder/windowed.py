@@ -35,9 +35,9 @@ from engine.decoder.nets import Vocoder
 from engine.decoder.window import WindowSpec
 
 
-def buckets_for(max_batch: int) -> list[int]:
-    """Powers of two below ``max_batch``, then ``max_batch``."""
-    out, b = [], 1
+def buckets_for(max_batch: int, smallest: int = 1) -> list[int]:
+    """Powers of two from ``smallest`` below ``max_batch``, then ``max_batch``."""
+    out, b = [], smallest
     while b < max_batch:
         out.append(b)
         b *= 2
@@ -88,7 +88,8 @@ class WindowDecoder:
         self._forward: Callable[[Tensor, Tensor, Tensor], Tensor] = self._compute
         self.step_dim = vocoder.front.step_dim
         self.max_batch = max_batch
-        self.buckets = buckets_for(max_batch)
+        # compiled: no bucket of one row, which torch.compile would specialise (a compile of its own)
+        self.buckets = buckets_for(max_batch, 2 if compile_forward else 1)
         w = spec.window_steps
         self._frames = g.frames_per_step * w
         self._frame_idx = torch.arange(self._frames, device=self.device)

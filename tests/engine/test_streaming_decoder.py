@@ -425,6 +425,19 @@ def test_default_left_context_is_float32_exact(vocoders: dict) -> None:
     assert snr[24] >= 100.0 > 60.0 > snr[8], snr
 
 
+def test_a_compiled_decoder_has_no_one_row_bucket(vocoders: dict) -> None:
+    """torch.compile specialises a batch of one (a compile of its own at warm-up, bench/RESULTS.md):
+    compiled, one row runs in the bucket of two."""
+    from engine.decoder.windowed import buckets_for
+
+    voc = vocoders[("tiny", "codes")]
+    spec = WindowSpec(voc.geometry, 16, 8)
+    assert buckets_for(8) == [1, 2, 4, 8] and buckets_for(8, 2) == [2, 4, 8] and buckets_for(1, 2) == [1]
+    assert WindowDecoder(voc, spec, 8).buckets == [1, 2, 4, 8]
+    compiled = WindowDecoder(voc, spec, 8, compile_forward=True)  # compiles at warm_up, not here
+    assert compiled.buckets == [2, 4, 8] and compiled.bucket(1) == 2
+
+
 def test_compiled_forward_equals_eager(vocoders: dict) -> None:
     """``engine.decoder_compile``: the torch.compile'd forward (inductor, dynamic batch) gives the
     eager forward's samples, rows at the utterance's start and end included (one bucket: a cold
