@@ -112,7 +112,7 @@ def _gateway_process(cfg: Config, shared: SharedClient) -> None:
 def decoder_layout(processes: int, cores: int, per_core: bool) -> tuple[int, int]:
     """(decoder processes, gateway processes per decoder process) for ``processes`` gateway
     processes on ``cores`` engine cores: decoder ``d`` serves gateway processes ``d*k`` to
-    ``d*k + k - 1``, which are the processes of cores ``d*cores/decoders`` onwards."""
+    ``d*k + k - 1`` (one decoder per core: the processes of core ``d``)."""
     n_dec = cores if per_core else 1
     return n_dec, processes // n_dec
 
