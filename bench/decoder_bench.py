@@ -85,6 +85,26 @@ def _timed(fn: Any, sync: Any, n: int) -> float:
     return statistics.median(ts)
 
 
+def _default_window(voc: Any, args: argparse.Namespace) -> Any:
+    """The window the speed, dtype and contention sections time: ``--left-steps`` of left context,
+    ``--chunk-steps`` new steps, ``--lookahead`` steps after (-1: exact)."""
+    from engine.decoder.window import WindowSpec
+
+    g = voc.geometry
+    la = g.exact_lookahead_steps if args.lookahead < 0 else args.lookahead
+    return WindowSpec(g, args.chunk_steps, la, left_context_steps=args.left_steps)
+
+
+def _random_rows(spec: Any, batches: list[int], seed: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per batch size, random codes of whole windows with their starts and ends (``WindowDecoder.run``'s inputs)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for b in batches:
+        start = rng.integers(0, 400, b)
+        out.append((rng.integers(0, 625, (b, spec.window_steps, 4)), start, start + spec.window_steps))
+    return out
+
+
 def speed(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
@@ -92,8 +112,8 @@ def speed(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     from engine.decoder.windowed import WindowDecoder
 
     g = voc.geometry
-    la = g.exact_lookahead_steps if args.lookahead < 0 else args.lookahead
-    spec = WindowSpec(g, args.chunk_steps, la, left_context_steps=args.left_steps)
+    spec = _default_window(voc, args)
+    la = spec.lookahead_steps
     batches = [int(b) for b in args.batches.split(",")]
     dec = WindowDecoder(voc, spec, max(batches))
     t0 = time.perf_counter()
@@ -146,18 +166,11 @@ def speed(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
 def dtype_table(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
-    from engine.decoder.window import WindowSpec
     from engine.decoder.windowed import WindowDecoder
 
-    g = voc.geometry
-    la = g.exact_lookahead_steps if args.lookahead < 0 else args.lookahead
-    spec = WindowSpec(g, args.chunk_steps, la, left_context_steps=args.left_steps)
+    spec = _default_window(voc, args)
     batches = [int(b) for b in args.batches.split(",")]
-    rng = np.random.default_rng(1)
-    inputs = []
-    for b in batches:
-        start = rng.integers(0, 400, b)
-        inputs.append((rng.integers(0, 625, (b, spec.window_steps, 4)), start, start + spec.window_steps))
+    inputs = _random_rows(spec, batches, 1)
     base: dict[int, tuple[float, np.ndarray]] = {}
     rows = []
     for dt in ["float32", *[d for d in args.dtypes.split(",") if d and d != "float32"]]:
@@ -219,20 +232,13 @@ def contention(voc: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
 
     import torch
 
-    from engine.decoder.window import WindowSpec
     from engine.decoder.windowed import WindowDecoder
 
-    g = voc.geometry
-    la = g.exact_lookahead_steps if args.lookahead < 0 else args.lookahead
-    spec = WindowSpec(g, args.chunk_steps, la, left_context_steps=args.left_steps)
+    spec = _default_window(voc, args)
     batches = [int(b) for b in args.contention_batches.split(",")]
     dec = WindowDecoder(voc, spec, max(batches), compute_dtype="float16")
     dec.warm_up()
-    rng = np.random.default_rng(2)
-    inputs = []
-    for b in batches:
-        start = rng.integers(0, 400, b)
-        inputs.append((rng.integers(0, 625, (b, spec.window_steps, 4)), start, start + spec.window_steps))
+    inputs = _random_rows(spec, batches, 2)
     for x, start, end in inputs:  # both paths give the same samples
         np.testing.assert_array_equal(dec.run(x, start, end), _run_sync_copies(dec, x, start, end))
 
