@@ -11,10 +11,9 @@
 #   4. when ALT_ARGS is set ("SECTION.FIELD=VALUE ..."): a second gateway with those settings on the
 #      same levels (ALT_SESSIONS, default SESSIONS), for a same-call A/B, py-spied the same way
 #      (A_MAX_S: seconds the first gateway's run may take, so that the second gets the rest;
-#      A_EXTRA: more bench.gpu_e2e arguments for the first run);
-#      ALT_MPS=1: the second gateway runs under CUDA MPS (a control daemon started for it and quit
-#      after it, so the machine is left as it was): the kernels of its engine cores and decoder may
-#      then run at the same time instead of time-slicing the GPU (ALT_ARGS may stay empty).
+#      A_EXTRA: more bench.gpu_e2e arguments for the first run). `voicegw serve` runs its GPU
+#      processes under an MPS daemon of its own (gateway.cuda_mps); ALT_ARGS="gateway.cuda_mps=false"
+#      measures without.
 # Budget: BUDGET_S seconds for the whole call (default 570). Every 20 s the files so far are packed
 # into $OUT/all-cap.tgz, so a call cut short still returns them.
 # Timing seen on H100/H200 hosts: the first call on a fresh machine spends ~60-70 s in setup (the full
@@ -84,20 +83,9 @@ run_e2e() {  # $1: tag, $2: phases, $3: sessions, $4: closed-loop sessions, rest
 }
 
 MAX_S=${A_MAX_S:-} run_e2e a "${PHASES_A:-floor,e2e}" "${SESSIONS:-1,64,400/10,600/16}" "${THROUGHPUT:-400}" ${A_EXTRA:-}
-mps_quit() { echo quit | nvidia-cuda-mps-control > /dev/null 2>&1; }
-if { [ -n "${ALT_ARGS:-}" ] || [ -n "${ALT_MPS:-}" ]; } && [ "$(left)" -gt 150 ]; then
+if [ -n "${ALT_ARGS:-}" ] && [ "$(left)" -gt 150 ]; then
   GA=(); for a in ${ALT_ARGS:-}; do GA+=(--gateway-arg "$a"); done
-  if [ -n "${ALT_MPS:-}" ]; then
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    trap mps_quit EXIT
-    nvidia-cuda-mps-control -d && echo "MPS control daemon started" | tee -a "$RES/setup.log" \
-      || { echo "no MPS control daemon: B not run" | tee -a "$RES/setup.log"; ALT_MPS=; ALT_ARGS=; }
-  fi
-  if [ -n "${ALT_ARGS:-}" ] || [ -n "${ALT_MPS:-}" ]; then
-    MAX_S= RESERVE_S=15 run_e2e b e2e "${ALT_SESSIONS:-${SESSIONS:-1,64,400/10,600/16}}" "${THROUGHPUT:-400}" --max-gateway-attempts 1 "${GA[@]}"
-  fi
-  [ -n "${ALT_MPS:-}" ] && { mps_quit; cp -r "$CUDA_MPS_LOG_DIRECTORY" "$RES/mps-log" 2>/dev/null; }
+  MAX_S= RESERVE_S=15 run_e2e b e2e "${ALT_SESSIONS:-${SESSIONS:-1,64,400/10,600/16}}" "${THROUGHPUT:-400}" --max-gateway-attempts 1 "${GA[@]}"
 fi
 kill $DMON $SNAP 2>/dev/null
 wait $SNAP 2>/dev/null; rm -f "$OUT/snap.tgz.part"

@@ -81,7 +81,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """``pid``'s descendants, children first (``/proc/<pid>/task/*/children``; [] without it)."""
     out: list[int] = []
     todo = [pid]
@@ -105,7 +105,7 @@ def _descendants(pid: int) -> list[int]:
 def _die() -> None:
     """SIGKILL this process's descendants (they would follow one watchdog poll per level; under
     load each level costs a scheduling delay), then this process."""
-    for pid in _descendants(os.getpid()):
+    for pid in descendants(os.getpid()):
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:

@@ -52,6 +52,15 @@ class GatewayConfig(Checked):
     """A decoder process per engine core, serving that core's gateway processes; false: one decoder
     process for all of them (one CUDA context fewer time-slicing the GPU, batches gathering the rows
     of every core, one process's host thread for all the decoding)."""
+    cuda_mps: bool = False
+    """Run the GPU processes (engine cores, decoder processes) as clients of a CUDA MPS daemon that
+    ``voicegw serve`` starts for itself (``nvidia-cuda-mps-control`` on PATH, from the NVIDIA
+    driver's compute utilities), so that their kernels share the GPU at the same time instead of
+    taking turns (``voicegw.mps``). An MPS daemon set up already (``CUDA_MPS_PIPE_DIRECTORY`` in the
+    environment) is used as it is. True on a CUDA GPU where not set (without the program: a
+    warning, then without MPS); set true, a missing program stops the start. False keeps each
+    process's GPU faults its own (under MPS a fatal fault of one client can end the others' work;
+    the group then restarts them)."""
     auth_tokens: tuple[str, ...] = ()
     """Bearer tokens accepted (header ``Authorization: Bearer``, subprotocol ``voicegw.token.<t>``
     or query ``?token=``). Empty: no auth (development only)."""

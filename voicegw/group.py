@@ -12,7 +12,9 @@ uses), not a broker of ours:
    │     ├── gateway process 0: asyncio, sessions, AsyncLLM(client_index=0)
    │     ├── ... gateway process M-1      (SO_REUSEPORT: the kernel spreads connections)
    │     └── decoder process 0 (one socket per gateway process of the core)
-   └── ... engine core K-1 with gateway processes (K-1)M .. KM-1 and decoder process K-1
+   ├── ... engine core K-1 with gateway processes (K-1)M .. KM-1 and decoder process K-1
+   └── on a CUDA GPU: this run's MPS daemon (``voicegw.mps``, ``gateway.cuda_mps``), started
+       before the others: the cores' and decoders' kernels share the GPU instead of taking turns
 ```
 
 * **Engine cores**: launched here (``engine.vllm.launch.launch_core``: vLLM's
@@ -41,11 +43,13 @@ uses), not a broker of ours:
   A dead decoder process is replaced the same way: its gateway processes' streams fail
   (``engine_unavailable``, 1011), the launcher starts a new decoder process and sends each gateway
   process its share (``{"event": "decoder"}``), and each one attaches (``ChatTTSSpeech``'s watchdog).
-  Engine cores and decoders share the restart budget.
+  A dead MPS daemon is started again on the same directories (processes that start later need it).
+  Engine cores, decoders and the MPS daemon share the restart budget.
 * **Failure, not healed**: when a gateway process dies, this process stops the others (1012 to
   clients: reconnect and resume) and exits 1, for the service manager to start the group again.
 * **Death of this process** (``kill -9`` included): every process of the group (engine core and
-  its workers, gateway processes, the decoder) dies with it within a second (``engine.lifeline``);
+  its workers, gateway processes, the decoder, the MPS daemon and its server) dies with it within a
+  second (``engine.lifeline``);
   the next start removes the shared-memory files left behind (``engine.shm.remove_stale``).
 * **Shutdown**: SIGINT/SIGTERM go to every gateway process (graceful drain, ``shutdown_grace_s``;
   a second signal skips the grace), then the engine cores stop.
@@ -77,6 +81,7 @@ from engine.vllm.launch import (
     slots_per_client,
 )
 from voicegw.config import Config
+from voicegw.mps import Mps
 
 log = logging.getLogger("voicegw")
 
@@ -117,9 +122,10 @@ def decoder_layout(processes: int, cores: int, per_core: bool) -> tuple[int, int
     return n_dec, processes // n_dec
 
 
-def serve_group(cfg: Config, model_dir: str) -> int:
-    """``voicegw serve`` with ``gateway.processes`` > 1 (see the module docstring). Returns the
-    exit code: 0 after a signal, 1 when a process of the group died, 2 when it could not start."""
+def serve_group(cfg: Config, model_dir: str, cuda_mps: Mps | None = None) -> int:
+    """``voicegw serve`` with ``gateway.processes`` > 1 (see the module docstring); ``cuda_mps``:
+    the run's MPS daemon (``voicegw.mps``), started again if it dies. Returns the exit code: 0
+    after a signal, 1 when a process of the group died, 2 when it could not start."""
     n = cfg.gateway.processes
     if n % cfg.gateway.engine_cores:
         log.error("cannot start %d gateway processes: gateway.processes must be a multiple of "
@@ -131,7 +137,7 @@ def serve_group(cfg: Config, model_dir: str) -> int:
     table = FrameTable(per * n, min(cfg.engine.max_model_len, proto.info.max_positions))
     made: list[str] = []  # /dev/shm files to remove when the group ends
     try:
-        return _run_group(cfg, model_dir, proto, table, per, t0, made)
+        return _run_group(cfg, model_dir, proto, table, per, t0, made, cuda_mps)
     except Exception as exc:  # noqa: BLE001 - startup failure (a bad engine argument...): one clear line
         log.error("cannot start %d gateway processes: %s", n, exc)
         return 2
@@ -143,7 +149,7 @@ def serve_group(cfg: Config, model_dir: str) -> int:
 
 
 def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameTable, per: int,
-               t0: float, made: list[str]) -> int:
+               t0: float, made: list[str], cuda_mps: Mps | None) -> int:
     """The group's start and supervision (``serve_group``); each decoder samples file's path goes
     into ``made`` as soon as it exists, so that the caller removes it whatever happens."""
     n = cfg.gateway.processes
@@ -239,7 +245,7 @@ def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameT
                      "spawn %.1f s (the gateway processes log their own readiness)",
                      n, cores, [p.pid for p in procs], len(decoders), [d.pid for d in decoders],
                      t_launch - t0, t_core - t_launch, time.monotonic() - t_core)
-            code = _supervise(procs, launched, stop, cfg, decoders, heal, heal_decoder)
+            code = _supervise(procs, launched, stop, cfg, decoders, heal, heal_decoder, cuda_mps=cuda_mps)
     finally:
         for c in launched:
             c.stop()
@@ -306,10 +312,10 @@ class RestartBudget:
 
 def _supervise(procs: list[Any], launched: list[CoreLaunch], stop: _Signals, cfg: Config, decoders: list[Any],
                heal: Callable[[int], None], heal_decoder: Callable[[int], None],
-               budget: RestartBudget | None = None) -> int:
-    """Forward signals; replace a dead engine core (``heal``) or decoder process (``heal_decoder``),
-    within ``budget``; stop the group when a gateway process dies, or when an engine core or
-    decoder dies once too often."""
+               budget: RestartBudget | None = None, cuda_mps: Mps | None = None) -> int:
+    """Forward signals; replace a dead engine core (``heal``), decoder process (``heal_decoder``)
+    or MPS daemon (``cuda_mps``), within ``budget``; stop the group when a gateway process dies,
+    or when one of those dies once too often."""
     budget = budget or RestartBudget()
     forwarded = 0
     deadline: float | None = None
@@ -335,6 +341,8 @@ def _supervise(procs: list[Any], launched: list[CoreLaunch], stop: _Signals, cfg
         else:
             lost = [("engine core", k, heal) for k, core in enumerate(launched) if engine_dead(core.manager)]
             lost += [("decoder process", k, heal_decoder) for k, d in enumerate(decoders) if d.poll() is not None]
+            if cuda_mps is not None and cuda_mps.poll() is not None:  # processes that start from now on need it
+                lost.append(("CUDA MPS daemon", 0, lambda _: cuda_mps.restart()))
             for what, k, replace in lost:
                 if not budget.allow(time.monotonic()):
                     log.error("%s %d died: more than %d restarts in %.0f s; stopping the group",

@@ -6,8 +6,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from voicegw.config import Config, on_cuda
+
+if TYPE_CHECKING:
+    from voicegw.mps import Mps
 
 log = logging.getLogger("voicegw")
 
@@ -36,19 +40,33 @@ def serve(cfg: Config) -> int:
     cfg = resolve_platform(cfg, cuda)
     if cuda:
         e = cfg.engine
-        log.info("ChatTTS on vLLM on CUDA: %d gateway processes on %d engine core(s), enforce_eager=%s, max_num_seqs=%d, "
-                 "max_num_batched_tokens=%d, decoder_max_batch=%d (the GPU defaults, for keys not set)",
-                 cfg.gateway.processes, cfg.gateway.engine_cores, e.enforce_eager, e.max_num_seqs, e.max_num_batched_tokens, e.decoder_max_batch)
-    if cfg.gateway.processes > 1:
-        return _serve_group(cfg)
-    from engine.build import build_speech_engine
+        log.info("ChatTTS on vLLM on CUDA: %d gateway processes on %d engine core(s), cuda_mps=%s, enforce_eager=%s, "
+                 "max_num_seqs=%d, max_num_batched_tokens=%d, decoder_max_batch=%d (the GPU defaults, for keys not set)",
+                 cfg.gateway.processes, cfg.gateway.engine_cores, cfg.gateway.cuda_mps, e.enforce_eager, e.max_num_seqs,
+                 e.max_num_batched_tokens, e.decoder_max_batch)
+    cuda_mps = None
+    if cfg.gateway.cuda_mps:  # before any process that could use CUDA starts
+        from voicegw import mps
 
+        try:
+            cuda_mps = mps.start(required="gateway.cuda_mps" in cfg.explicit)
+        except mps.MpsError as exc:
+            log.error("cannot start CUDA MPS: %s", exc)
+            return 2
     try:
-        speech = build_speech_engine(cfg.engine)
-    except Exception as exc:  # noqa: BLE001 - startup failure: one clear line, exit 2
-        log.error("cannot start the engine: %s", exc)
-        return 2
-    return run_gateway(cfg, speech)
+        if cfg.gateway.processes > 1:
+            return _serve_group(cfg, cuda_mps)
+        from engine.build import build_speech_engine
+
+        try:
+            speech = build_speech_engine(cfg.engine)
+        except Exception as exc:  # noqa: BLE001 - startup failure: one clear line, exit 2
+            log.error("cannot start the engine: %s", exc)
+            return 2
+        return run_gateway(cfg, speech)
+    finally:
+        if cuda_mps is not None:
+            cuda_mps.stop()
 
 
 #: ``gateway.processes`` 0 on a CUDA vLLM engine: one asyncio process's GIL is the limit there
@@ -93,8 +111,9 @@ def resolve_platform(cfg: Config, cuda: bool) -> Config:
     return dataclasses.replace(cfg, gateway=dataclasses.replace(cfg.gateway, processes=n))
 
 
-def _serve_group(cfg: Config) -> int:
-    """``gateway.processes`` > 1: the launcher/supervisor of ``voicegw.group``."""
+def _serve_group(cfg: Config, cuda_mps: Mps | None) -> int:
+    """``gateway.processes`` > 1: the launcher/supervisor of ``voicegw.group`` (which restarts
+    ``cuda_mps``, this run's MPS daemon, if it dies)."""
     from engine._compat import ensure_torch_companions
     from engine.model_dir import resolve_model_dir
 
@@ -110,7 +129,7 @@ def _serve_group(cfg: Config) -> int:
     except Exception as exc:  # noqa: BLE001 - startup failure: one clear line, exit 2
         log.error("cannot start %d gateway processes: %s", cfg.gateway.processes, exc)
         return 2
-    return serve_group(cfg, str(model_dir))
+    return serve_group(cfg, str(model_dir), cuda_mps)
 
 
 def _take_over() -> None:

@@ -24,19 +24,29 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(os.environ.get("VOICEGW_TEST_ENGINE", "vllm") != "vllm", reason="vLLM engine tests")
 
 
-async def _start(model_dir: Path, port: int, log: Path, cores: int = 1) -> asyncio.subprocess.Process:
+#: A stand-in for ``nvidia-cuda-mps-control`` (``gateway.cuda_mps`` on this GPU-less host).
+FAKE_MPS = ROOT / "tests" / "reliability" / "fake_mps"
+
+
+async def _start(model_dir: Path, port: int, log: Path, cores: int = 1, mps: bool = False) -> asyncio.subprocess.Process:
     """``voicegw serve`` with two gateway processes on ``cores`` engine cores, returned once both
-    gateway processes answer ``/healthz``."""
+    gateway processes answer ``/healthz``; ``mps``: ``gateway.cuda_mps`` with ``FAKE_MPS`` on PATH
+    and the MPS directories under ``log``'s directory."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("CUDA_MPS_PIPE_DIRECTORY", None)
+    if mps:
+        env.update(PATH=f"{FAKE_MPS}{os.pathsep}{env['PATH']}", TMPDIR=str(log.parent))
     args = [
         "-m", "voicegw.cli", "serve", "--gateway.port", str(port), "--gateway.processes", "2",
         "--gateway.engine_cores", str(cores),
         "--gateway.shutdown_grace_s", "5", "--engine.backend", "vllm", "--engine.device", "cpu",
         "--engine.model_dir", str(model_dir), "--engine.max_num_seqs", "16", "--engine.max_model_len", "512",
         "--engine.enforce_eager", "true", "--engine.kv_cache_gib", "0.05", "--engine.default_speaker", "2222",
+        *(["--gateway.cuda_mps", "true"] if mps else []),
     ]
     out = log.open("wb")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, *args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        sys.executable, *args, cwd=ROOT, env=env,
         stdout=out, stderr=out, start_new_session=True,
     )
     pids: set[int] = set()
@@ -140,6 +150,15 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
 def _exists(path: str) -> bool:
     return os.path.exists(path)
 
@@ -161,11 +180,12 @@ def _cmdline(pid: int) -> str:
 
 
 async def test_gateway_processes_share_one_engine_core_and_the_port(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """Two gateway processes on one engine core and one decoder: both serve the port; the decoder
-    killed mid-answer is replaced; ``kill -9`` of the launcher leaves no process, and a restart on
-    the port is healthy and stops gracefully."""
+    """Two gateway processes on one engine core and one decoder, under ``gateway.cuda_mps`` (the
+    MPS stand-in): both serve the port; the decoder killed mid-answer is replaced; ``kill -9`` of
+    the launcher leaves no process, MPS daemon included, and a restart on the port is healthy and
+    stops gracefully."""
     port = free_port()
-    proc = await _start(tiny_model_dir, port, tmp_path / "serve.log")
+    proc = await _start(tiny_model_dir, port, tmp_path / "serve.log", mps=True)
     second: subprocess.Popen[bytes] | None = None
     try:
         # the kernel spreads connections over both processes; /healthz names the one answering
@@ -212,9 +232,13 @@ async def test_gateway_processes_share_one_engine_core_and_the_port(tiny_model_d
             with contextlib.suppress(Exception):
                 await c.close()
         # kill -9 of the launcher: every process of the group (the gateway processes, which would
-        # keep the port, the engine core, its worker, the decoder, the resource tracker) is gone
-        # within 2 s, and a new group on the same port comes up healthy (issue 33)
-        files = await asyncio.to_thread(kill9_and_check, proc.pid, 6)
+        # keep the port, the engine core, its worker, the decoder, the resource tracker, the MPS
+        # keeper, daemon and server) is gone within 2 s, and a new group on the same port comes up
+        # healthy (issue 33)
+        mps_root = _mps_root(tmp_path)
+        mps_pids = {int(w) for w in _text(mps_root / "log" / "control.log").split() if w.isdigit()}
+        assert mps_pids and mps_pids <= set(_descendants(proc.pid)), mps_pids
+        files = await asyncio.to_thread(kill9_and_check, proc.pid, 9)
         await proc.wait()
         second = await asyncio.to_thread(restart_after_kill9, tiny_model_dir, port, 2, tmp_path, proc.pid, files)
         paths = _listening_ipc_paths([p for p in _children(second.pid) if "voicegw-gateway-" in _cmdline(p)])
@@ -240,7 +264,7 @@ async def test_the_group_heals_when_one_of_its_engine_cores_dies(tiny_model_dir:
     (``/healthz`` 503 meanwhile, then 200 from both processes) and new sessions speak."""
     port = free_port()
     log = tmp_path / "serve.log"
-    proc = await _start(tiny_model_dir, port, log, cores=2)
+    proc = await _start(tiny_model_dir, port, log, cores=2, mps=True)
     try:
         kids = _children(proc.pid)
         gateways = [p for p in kids if "voicegw-gateway-" in _cmdline(p)]
@@ -248,6 +272,14 @@ async def test_the_group_heals_when_one_of_its_engine_cores_dies(tiny_model_dir:
         cores = [p for p in kids if "EngineCore" in _cmdline(p)]
         assert len(gateways) == 2 and len(decoders) == 2 and len(cores) == 2, [_cmdline(p) for p in kids]
         assert "2 gateway processes on 2 engine core(s)" in _text(log)
+        # gateway.cuda_mps: every process of the group points at this run's MPS daemon, started first
+        mps_root = _mps_root(tmp_path)
+        pipe = str(mps_root / "pipe")
+        assert all(_environ(p).get("CUDA_MPS_PIPE_DIRECTORY") == pipe for p in gateways + decoders + cores)
+        daemon = _mps_daemon(mps_root)
+        os.kill(daemon, signal.SIGKILL)  # started again within the supervisor's poll
+        await _until(lambda: "CUDA MPS daemon 0 replaced" in _text(log), within_s=20, what=lambda: _text(log)[-2000:])
+        assert _mps_daemon(mps_root) != daemon and (mps_root / "pipe" / "control").exists()
         # sessions mid-answer on both gateway processes (the kernel spreads the connections)
         talking = await _mid_answer(port, 6, first_voice=100)
         t_kill = time.monotonic()
@@ -263,6 +295,8 @@ async def test_the_group_heals_when_one_of_its_engine_cores_dies(tiny_model_dir:
         assert healthy, _text(log)[-3000:]
         assert proc.returncode is None
         assert "engine core 1 replaced" in _text(log)
+        new_core = [p for p in _children(proc.pid) if "EngineCore" in _cmdline(p) and p not in cores]
+        assert new_core and _environ(new_core[0]).get("CUDA_MPS_PIPE_DIRECTORY") == pipe
         t_new = time.monotonic()
         for t in await asyncio.gather(*(_speak(port, f"After the crash session {i} speaks.") for i in range(4))):
             assert t.samples > 0 and not t.errors()
@@ -271,10 +305,39 @@ async def test_the_group_heals_when_one_of_its_engine_cores_dies(tiny_model_dir:
         for c, _ in talking:
             with contextlib.suppress(Exception):
                 await c.close()
+        # a graceful stop quits the MPS daemon and removes its directories
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+        assert not mps_root.exists()
+        assert "CUDA MPS" in _text(log)
     finally:
         _kill_group(proc.pid)  # whatever is left of the group
         if proc.returncode is None:
             await proc.wait()
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(kv.decode(errors="replace").partition("=")[::2] for kv in f.read().split(b"\0") if kv)
+
+
+def _mps_root(d: Path) -> Path:
+    """The one MPS directory ``voicegw.mps`` made under ``d``."""
+    (root,) = d.glob("voicegw-mps-*")
+    return root
+
+
+def _mps_daemon(root: Path) -> int:
+    """The newest daemon pid the MPS stand-in logged under ``root``."""
+    lines = [ln for ln in (root / "log" / "control.log").read_text().splitlines() if ln.startswith("control ")]
+    return int(lines[-1].split()[1])
+
+
+async def _until(cond: Any, within_s: float, what: Any) -> None:
+    deadline = time.monotonic() + within_s
+    while not cond():
+        assert time.monotonic() < deadline, what()
+        await asyncio.sleep(0.1)
 
 
 def test_decoder_processes_serve_whole_engine_cores() -> None:

@@ -1,0 +1,138 @@
+"""``voicegw.mps``: the MPS daemon ``voicegw serve`` starts for its GPU processes, driven through a
+stand-in for ``nvidia-cuda-mps-control`` (``fake_mps/``; no GPU on the test hosts): it starts and
+the environment points at it, it quits with its server, it dies with a ``kill -9``'d owner and
+leaves no process, a dead one is started again, and without the program it is skipped or refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from voicegw import mps
+
+FAKE = Path(__file__).resolve().parent / "fake_mps"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def fake_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """The stand-in on PATH, no MPS set up, a temporary directory of this test's own."""
+    monkeypatch.setenv("PATH", f"{FAKE}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    saved = {k: os.environ.pop(k) for k in (mps.PIPE_ENV, mps.LOG_ENV) if k in os.environ}
+    yield
+    for k in (mps.PIPE_ENV, mps.LOG_ENV):
+        os.environ.pop(k, None)
+    os.environ.update(saved)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _pids(log_dir: Path, timeout_s: float = 5.0) -> tuple[int, int]:
+    """(daemon, server) as the stand-in logged them."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = (log_dir / "control.log").read_text() if (log_dir / "control.log").exists() else ""
+        lines = [ln.split() for ln in text.splitlines() if ln.startswith("control ")]
+        if lines:
+            return int(lines[-1][1]), int(lines[-1][3])
+        time.sleep(0.02)
+    raise AssertionError(f"the daemon logged no pids in {log_dir}")
+
+
+def _gone(pids: list[int], within_s: float) -> list[int]:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.02)
+    return [p for p in pids if _alive(p)]
+
+
+def test_start_points_the_environment_at_the_daemon_and_stop_quits_it_with_its_server(fake_path: None) -> None:
+    m = mps.start(required=True)
+    assert m is not None and m.keeper is not None
+    try:
+        assert (m.pipe_dir / "control").exists()
+        assert os.environ[mps.PIPE_ENV] == str(m.pipe_dir) and os.environ[mps.LOG_ENV] == str(m.log_dir)
+        daemon, server = _pids(m.log_dir)
+        assert m.poll() is None and _alive(daemon) and _alive(server)
+    finally:
+        m.stop()
+    assert m.keeper.returncode == 0
+    assert not _gone([m.keeper.pid, daemon, server], 2.0)
+    assert not m.root.exists()
+
+
+def test_a_dead_daemon_is_started_again_on_the_same_directories(fake_path: None) -> None:
+    m = mps.start(required=True)
+    assert m is not None
+    try:
+        daemon, server = _pids(m.log_dir)
+        os.kill(daemon, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while m.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert m.poll() not in (None, 0), "the keeper did not report the daemon's death"
+        assert not _gone([server], 2.0), "the dead daemon's server was left behind"
+        m.restart()
+        daemon2, server2 = _pids(m.log_dir)
+        assert daemon2 != daemon and _alive(daemon2) and (m.pipe_dir / "control").exists()
+    finally:
+        m.stop()
+    assert not _gone([daemon2, server2], 2.0)
+
+
+_OWNER = """
+import sys, time
+from engine.lifeline import mark_root
+from voicegw import mps
+mark_root()
+m = mps.start(required=True)
+print(m.keeper.pid, m.root, flush=True)
+time.sleep(60)
+"""
+
+
+def test_kill9_of_its_owner_leaves_no_daemon_and_the_next_start_removes_its_directories(fake_path: None) -> None:
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        keeper_s, root_s = owner.stdout.readline().split()
+        root = Path(root_s)
+        daemon, server = _pids(root / "log")
+        owner.kill()
+        owner.wait()
+        left = _gone([int(keeper_s), daemon, server], 2.0)
+        assert not left, f"alive 2 s after kill -9 of their owner: {left}"
+        assert root.exists()
+        assert mps.remove_stale() == [str(root)]
+        assert not root.exists()
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+
+
+def test_without_the_program_it_is_skipped_unless_required_and_mps_set_up_already_is_used(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv(mps.PIPE_ENV, raising=False)
+    assert mps.start(required=False) is None
+    with pytest.raises(mps.MpsError, match="nvidia-cuda-mps-control on PATH"):
+        mps.start(required=True)
+    monkeypatch.setenv(mps.PIPE_ENV, str(tmp_path))
+    assert mps.start(required=True) is None
