@@ -61,7 +61,10 @@ spy_during() {  # $1: log to watch, $2: tag; py-spy (non-blocking) of core, deco
     done
     [ -n "$DEC" ] && timeout 20 "$SPY" record --nonblocking -p "$DEC" -d 10 -r 50 --format raw -o "$RES/spy-decoder-$2.txt" > /dev/null 2>&1 &
     [ -n "$GW" ] && timeout 20 "$SPY" record --nonblocking -p "$GW" -d 10 -r 50 --format raw -o "$RES/spy-gateway-$2.txt" > /dev/null 2>&1
-    wait ) > /dev/null 2>&1 &  # its own output: a spy still waiting must not hold the call's stdout
+    wait
+    # the gateway's MPS daemon logs (gateway.cuda_mps; removed when the gateway stops): its clients
+    for d in /tmp/voicegw-mps-*/log; do [ -d "$d" ] && cp -r "$d" "$RES/mps-log-$2"; done
+  ) > /dev/null 2>&1 &  # its own output: a spy still waiting must not hold the call's stdout
 }
 
 run_e2e() {  # $1: tag, $2: phases, $3: sessions, $4: closed-loop sessions, rest: extra gpu_e2e args

@@ -224,6 +224,7 @@ def _gateway_log_facts(log: Path, info: dict[str, Any]) -> None:
         "engine_ready": grep_log(log, r"code engine ready in"),
         "decoder_warm_up": grep_log(log, r"decoder process \d+: warmed up in", 4),
         "resolved_settings": grep_log(log, r"ChatTTS on vLLM on CUDA:|start phases:", 4),
+        "cuda_mps": grep_log(log, r"CUDA MPS", 4),
         "cudagraph_lines": grep_log(log, r"(?i)cuda ?graph", 4),
         "data_parallel_lines": grep_log(log, r"(?i)^(?!.*Initializing a V1).*(DP rank|DPLB|coordinator|data.parallel)", 6),
         "errors": grep_log(log, r"(?i)traceback|\bERROR\b|engine died|EngineDead", 12),
