@@ -19,8 +19,10 @@ has the same-call measurements; docs/gpu.md says when to turn it off).
   process's environment, for every process started after it.
 * **MPS set up already** (``CUDA_MPS_PIPE_DIRECTORY`` in the environment, a system-wide daemon,
   say): used as it is, nothing started.
-* **Stop** (:meth:`Mps.stop`): SIGTERM to the keeper, which sends ``quit`` to the daemon (the daemon
-  stops its server) and exits; the directories are removed.
+* **Stop** (:meth:`Mps.stop`, after the GPU processes have stopped): the keeper's stdin is closed;
+  it sends ``quit`` to the daemon (the daemon stops its server) and exits; the directories are
+  removed. The keeper and the daemon ignore SIGINT, SIGTERM and SIGHUP: a Ctrl-C in a terminal
+  reaches the whole process group, and the daemon must outlive the gateways' drain.
 * **``kill -9`` of serve**: the keeper's lifeline SIGKILLs its descendants (the daemon and its
   server, kept below the keeper as a child subreaper) and itself; the next start removes the
   directories of runs whose owner is dead (:func:`remove_stale`).
@@ -43,6 +45,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -87,7 +90,7 @@ class Mps:
         # so that it SIGKILLs the daemon's server first (the kernel would orphan the server)
         self.keeper = subprocess.Popen(
             [sys.executable, "-m", "voicegw.mps", self.binary, str(self.pipe_dir), str(self.log_dir)],
-            env={**os.environ, ENV: str(os.getpid())}, stdin=subprocess.DEVNULL)
+            env={**os.environ, ENV: str(os.getpid())}, stdin=subprocess.PIPE)
         deadline = time.monotonic() + START_TIMEOUT_S
         socket = self.pipe_dir / "control"
         while not socket.exists():
@@ -113,7 +116,8 @@ class Mps:
     def stop(self) -> None:
         """Quit the daemon (and its server), remove the directories."""
         if self.keeper is not None and self.keeper.poll() is None:
-            self.keeper.send_signal(signal.SIGTERM)
+            assert self.keeper.stdin is not None
+            self.keeper.stdin.close()  # the keeper's signal to quit
             try:
                 self.keeper.wait(QUIT_TIMEOUT_S + 5)
             except subprocess.TimeoutExpired:
@@ -121,9 +125,16 @@ class Mps:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def _kill(self) -> None:
+        """SIGKILL the keeper and what runs below it (the daemon, its server), deepest first."""
+        from engine.lifeline import descendants
+
         if self.keeper is not None and self.keeper.poll() is None:
-            self.keeper.kill()  # its lifeline's watchdog is not what runs here: SIGKILL leaves the daemon
+            for pid in [*reversed(descendants(self.keeper.pid)), self.keeper.pid]:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
             self.keeper.wait()
+        if self.keeper is not None and self.keeper.stdin is not None:
+            self.keeper.stdin.close()
 
 
 def start(*, required: bool) -> Mps | None:
@@ -189,22 +200,28 @@ def _prctl(option: int, value: int) -> None:
 
 
 def _keep(binary: str, pipe_dir: str, log_dir: str) -> int:
-    """The keeper process: runs the daemon in the foreground until SIGTERM/SIGINT (then ``quit``)
-    or the daemon's exit; its exit code is the daemon's."""
+    """The keeper process: runs the daemon in the foreground until its stdin ends (then ``quit``)
+    or the daemon exits; 0 after a quit, else the daemon's exit code (1 for a signal)."""
     from engine.lifeline import arm
 
     arm()  # serve dies -> this process SIGKILLs its descendants (the daemon, its server), then itself
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a server that the daemon double-forks stays below this process
-    stop = []
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, lambda signum, frame: stop.append(signum))
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # ignored by the daemon too (exec keeps it)
+        signal.signal(s, signal.SIG_IGN)
+    stop = threading.Event()
+
+    def until_eof() -> None:
+        sys.stdin.buffer.read()
+        stop.set()
+
+    threading.Thread(target=until_eof, daemon=True).start()
     env = {**os.environ, PIPE_ENV: pipe_dir, LOG_ENV: log_dir}
     with open(Path(log_dir) / "keeper.log", "ab") as out:
         daemon = subprocess.Popen([binary, "-f"], env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                   preexec_fn=lambda: _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL))
-        while daemon.poll() is None and not stop:
-            time.sleep(0.1)
-        if stop and daemon.poll() is None:
+        while daemon.poll() is None and not stop.wait(0.1):
+            pass
+        if stop.is_set() and daemon.poll() is None:
             with contextlib.suppress(subprocess.SubprocessError, OSError):
                 subprocess.run([binary], input=b"quit\n", env=env, stdout=out, stderr=out, timeout=QUIT_TIMEOUT_S)
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -218,7 +235,7 @@ def _keep(binary: str, pipe_dir: str, log_dir: str) -> int:
     with contextlib.suppress(ChildProcessError):  # a subreaper's adopted children
         while os.waitpid(-1, 0)[0]:
             pass
-    if stop:
+    if stop.is_set():
         return 0
     return daemon.returncode if daemon.returncode > 0 else 1
 

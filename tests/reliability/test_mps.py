@@ -76,6 +76,24 @@ def test_start_points_the_environment_at_the_daemon_and_stop_quits_it_with_its_s
     assert not m.root.exists()
 
 
+def test_terminal_signals_leave_the_daemon_to_outlive_the_gateways_drain(fake_path: None) -> None:
+    """A Ctrl-C reaches the whole process group: the daemon must serve the GPU processes until
+    ``voicegw serve`` stops it, after their drain."""
+    m = mps.start(required=True)
+    assert m is not None and m.keeper is not None
+    try:
+        daemon, server = _pids(m.log_dir)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            os.kill(m.keeper.pid, sig)
+            os.kill(daemon, sig)
+        time.sleep(0.5)
+        assert m.poll() is None and _alive(daemon) and _alive(server)
+    finally:
+        m.stop()
+    assert m.keeper.returncode == 0
+    assert not _gone([daemon, server], 2.0)
+
+
 def test_a_dead_daemon_is_started_again_on_the_same_directories(fake_path: None) -> None:
     m = mps.start(required=True)
     assert m is not None
