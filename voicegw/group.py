@@ -52,7 +52,7 @@ uses), not a broker of ours:
   second (``engine.lifeline``);
   the next start removes the shared-memory files left behind (``engine.shm.remove_stale``).
 * **Shutdown**: SIGINT/SIGTERM go to every gateway process (graceful drain, ``shutdown_grace_s``;
-  a second signal skips the grace), then the engine cores stop.
+  a second signal skips the grace), then the engine cores and decoders stop, then the MPS daemon quits.
 
 The building blocks of the launch (the engine core for N clients, the frame table's shares, the
 decoder's plan) are ``engine.vllm.launch``'s; this module starts and supervises the processes.
