@@ -85,12 +85,16 @@ class Mps:
 
     def _spawn(self) -> None:
         from engine.lifeline import ENV
+        from engine.vllm._env import BOOT_FLAG
 
         # the keeper's lifeline without PR_SET_PDEATHSIG: its watchdog, not the kernel, must kill it,
-        # so that it SIGKILLs the daemon's server first (the kernel would orphan the server)
+        # so that it SIGKILLs the daemon's server first (the kernel would orphan the server); and
+        # without vLLM's boot (set once the engine is prepared: a restart would import torch and
+        # vLLM first, seconds on a loaded host, before the daemon starts)
+        env = {k: v for k, v in os.environ.items() if k != BOOT_FLAG}
         self.keeper = subprocess.Popen(
             [sys.executable, "-m", "voicegw.mps", self.binary, str(self.pipe_dir), str(self.log_dir)],
-            env={**os.environ, ENV: str(os.getpid())}, stdin=subprocess.PIPE)
+            env={**env, ENV: str(os.getpid())}, stdin=subprocess.PIPE)
         deadline = time.monotonic() + START_TIMEOUT_S
         socket = self.pipe_dir / "control"
         while not socket.exists():
@@ -210,8 +214,9 @@ def _keep(binary: str, pipe_dir: str, log_dir: str) -> int:
         signal.signal(s, signal.SIG_IGN)
     stop = threading.Event()
 
-    def until_eof() -> None:
-        sys.stdin.buffer.read()
+    def until_eof() -> None:  # os.read: no buffered reader's lock left held at the interpreter's exit
+        while os.read(0, 4096):
+            pass
         stop.set()
 
     threading.Thread(target=until_eof, daemon=True).start()

@@ -27,11 +27,15 @@ def fake_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]
     monkeypatch.setenv("PATH", f"{FAKE}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr("tempfile.tempdir", None)
-    saved = {k: os.environ.pop(k) for k in (mps.PIPE_ENV, mps.LOG_ENV) if k in os.environ}
+    keys = (mps.PIPE_ENV, mps.LOG_ENV, "PYTHONPATH", "VOICEGW_VLLM_BOOT")
+    saved = {k: os.environ.pop(k) for k in keys if k in os.environ and k != "PYTHONPATH"}
+    saved_path = os.environ.get("PYTHONPATH")
     yield
-    for k in (mps.PIPE_ENV, mps.LOG_ENV):
+    for k in keys:
         os.environ.pop(k, None)
     os.environ.update(saved)
+    if saved_path is not None:
+        os.environ["PYTHONPATH"] = saved_path
 
 
 def _alive(pid: int) -> bool:
@@ -103,9 +107,18 @@ def test_a_dead_daemon_is_started_again_on_the_same_directories(fake_path: None)
         deadline = time.monotonic() + 5
         while m.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert m.poll() not in (None, 0), "the keeper did not report the daemon's death"
+        assert m.poll() == 1, "the keeper did not report the daemon's death"
         assert not _gone([server], 2.0), "the dead daemon's server was left behind"
+        # by now the group has prepared vLLM: its boot must not reach the keeper (it would import
+        # torch and vLLM before starting the daemon, seconds on a loaded host)
+        from engine.vllm._env import BOOT_FLAG, child_env
+
+        os.environ.update(child_env())
+        assert os.environ[BOOT_FLAG] == "1"
         m.restart()
+        assert m.keeper is not None
+        with open(f"/proc/{m.keeper.pid}/environ", "rb") as f:
+            assert BOOT_FLAG.encode() not in f.read()
         daemon2, server2 = _pids(m.log_dir)
         assert daemon2 != daemon and _alive(daemon2) and (m.pipe_dir / "control").exists()
     finally:
