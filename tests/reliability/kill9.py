@@ -42,18 +42,20 @@ def health(port: int) -> dict[str, Any] | None:
         return None
 
 
-def start_serve(model_dir: Path, port: int, processes: int, log: Path, timeout_s: float = 300.0) -> subprocess.Popen[bytes]:
+def start_serve(model_dir: Path, port: int, processes: int, log: Path, timeout_s: float = 300.0,
+                extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """``voicegw serve`` in a session of its own (the test's fallback cleanup kills that process
-    group), returned once ``/healthz`` is healthy from every gateway process."""
+    group), returned once ``/healthz`` is healthy from every gateway process; ``extra``: more
+    arguments, ``env``: more environment."""
     args = [
         sys.executable, "-m", "voicegw.cli", "serve", "--gateway.port", str(port),
         "--gateway.processes", str(processes), "--gateway.shutdown_grace_s", "2",
         "--engine.backend", "vllm", "--engine.device", "cpu", "--engine.model_dir", str(model_dir),
         "--engine.max_num_seqs", "16", "--engine.max_model_len", "512", "--engine.enforce_eager", "true",
-        "--engine.kv_cache_gib", "0.05", "--engine.default_speaker", "2222",
+        "--engine.kv_cache_gib", "0.05", "--engine.default_speaker", "2222", *extra,
     ]
     out = log.open("ab")
-    proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
                             stdout=out, stderr=out, start_new_session=True)
     pids: set[int] = set()
     deadline = time.monotonic() + timeout_s
@@ -129,11 +131,12 @@ def kill9_and_check(pid: int, expect: int) -> set[str]:
 
 
 def restart_after_kill9(model_dir: Path, port: int, processes: int, tmp_path: Path, dead_pid: int,
-                        files: set[str]) -> subprocess.Popen[bytes]:
-    """A new ``voicegw serve`` on the dead one's port, healthy; it removed the dead run's
-    shared-memory files. The caller stops it."""
+                        files: set[str], extra: tuple[str, ...] = (),
+                        env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """A new ``voicegw serve`` on the dead one's port (``extra`` arguments, ``env``), healthy; it
+    removed the dead run's shared-memory files. The caller stops it."""
     t1 = time.monotonic()
-    second = start_serve(model_dir, port, processes, tmp_path / "serve2.log")
+    second = start_serve(model_dir, port, processes, tmp_path / "serve2.log", extra=extra, env=env)
     print(f"[kill9] restarted on port {port}, healthy in {time.monotonic() - t1:.1f} s", flush=True)
     assert files, "the dead run had no shared-memory file"
     assert not _our_shm_files(dead_pid), f"left behind: {_our_shm_files(dead_pid)}"
