@@ -71,7 +71,8 @@ def child_env() -> dict[str, str]:
     return {ENV: f"{os.getpid()}{':main' if main else ''}"}
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (someone else's included)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -102,28 +103,39 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def kill_descendants(pid: int) -> None:
+    """SIGKILL ``pid``'s descendants (not ``pid``)."""
+    for kid in descendants(pid):
+        try:
+            os.kill(kid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def _die() -> None:
     """SIGKILL this process's descendants (they would follow one watchdog poll per level; under
     load each level costs a scheduling delay), then this process."""
-    for pid in descendants(os.getpid()):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+    kill_descendants(os.getpid())
     os.kill(os.getpid(), signal.SIGKILL)
     os._exit(137)  # not reached
 
 
-def _pdeathsig() -> bool:
+def prctl(option: int, value: int) -> bool:
+    """``prctl(option, value)`` for this process (Linux); whether it succeeded."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        return bool(libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0)
-    except Exception:  # noqa: BLE001 - the watchdog still runs
+        return bool(libc.prctl(option, value, 0, 0, 0) == 0)
+    except Exception:  # noqa: BLE001 - callers go on without it
         return False
+
+
+def set_pdeathsig() -> bool:
+    """SIGKILL this process when the thread that started it ends (``PR_SET_PDEATHSIG``)."""
+    return prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
 
 
 def _watch(parent: int) -> None:
@@ -148,11 +160,11 @@ def arm(*, pdeathsig: bool | None = None) -> None:
     if pdeathsig is None:
         pdeathsig = how == "main" and expected == parent
     if pdeathsig:
-        _pdeathsig()
+        set_pdeathsig()
         parent_now = os.getppid()  # PDEATHSIG set after the parent died never fires
         if parent_now != parent:
             _die()
-    if expected is not None and parent != expected and not _alive(expected):
+    if expected is not None and parent != expected and not pid_alive(expected):
         _die()  # the parent that started this process died before this line
     _armed_pid = os.getpid()
     os.environ[ENV] = str(os.getpid())

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.lifeline import pid_alive
+
 
 def shm_dir() -> Path:
     """``/dev/shm`` where writable, else ``$TMPDIR`` (or /tmp)."""
@@ -28,16 +30,6 @@ def new_path(kind: str) -> str:
 
 
 _NAME = re.compile(r"voicegw-([a-z]+)-(\d+)-([0-9a-f]{12})")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
 
 
 def remove_stale(directory: Path | None = None) -> list[str]:
@@ -62,7 +54,7 @@ def remove_stale(directory: Path | None = None) -> list[str]:
         try:
             if not entry.is_file(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != uid:
                 continue
-            if _pid_alive(int(m.group(2))):
+            if pid_alive(int(m.group(2))):
                 continue
             os.unlink(entry.path)
         except OSError:

@@ -61,7 +61,6 @@ START_TIMEOUT_S = 10.0
 QUIT_TIMEOUT_S = 10.0
 
 _NAME = re.compile(r"voicegw-mps-(\d+)-([0-9a-f]{12})")
-_PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -129,13 +128,12 @@ class Mps:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def _kill(self) -> None:
-        """SIGKILL the keeper and what runs below it (the daemon, its server), deepest first."""
-        from engine.lifeline import descendants
+        """SIGKILL what runs below the keeper (the daemon, its server), then the keeper."""
+        from engine.lifeline import kill_descendants
 
         if self.keeper is not None and self.keeper.poll() is None:
-            for pid in [*reversed(descendants(self.keeper.pid)), self.keeper.pid]:
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
+            kill_descendants(self.keeper.pid)
+            self.keeper.kill()
             self.keeper.wait()
         if self.keeper is not None and self.keeper.stdin is not None:
             self.keeper.stdin.close()
@@ -175,6 +173,8 @@ def start(*, required: bool) -> Mps | None:
 def remove_stale(directory: Path | None = None) -> list[str]:
     """Remove the directories :func:`start` made for runs whose owner pid no longer exists (a run
     killed by SIGKILL leaves them behind); returns the paths removed."""
+    from engine.lifeline import pid_alive
+
     d = directory or Path(tempfile.gettempdir())
     removed: list[str] = []
     try:
@@ -185,31 +185,20 @@ def remove_stale(directory: Path | None = None) -> list[str]:
         m = _NAME.fullmatch(entry.name)
         if m is None or int(m.group(1)) == os.getpid() or not entry.is_dir(follow_symlinks=False):
             continue
-        try:
-            os.kill(int(m.group(1)), 0)
-            continue  # the owner lives
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # someone else's live process
+        if pid_alive(int(m.group(1))):
+            continue
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(entry.path)
     return removed
 
 
-def _prctl(option: int, value: int) -> None:
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
-
-
 def _keep(binary: str, pipe_dir: str, log_dir: str) -> int:
     """The keeper process: runs the daemon in the foreground until its stdin ends (then ``quit``)
     or the daemon exits; 0 after a quit, else the daemon's exit code (1 for a signal)."""
-    from engine.lifeline import arm
+    from engine.lifeline import arm, kill_descendants, prctl, set_pdeathsig
 
     arm()  # serve dies -> this process SIGKILLs its descendants (the daemon, its server), then itself
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a server that the daemon double-forks stays below this process
+    prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a server that the daemon double-forks stays below this process
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # ignored by the daemon too (exec keeps it)
         signal.signal(s, signal.SIG_IGN)
     stop = threading.Event()
@@ -223,7 +212,7 @@ def _keep(binary: str, pipe_dir: str, log_dir: str) -> int:
     env = {**os.environ, PIPE_ENV: pipe_dir, LOG_ENV: log_dir}
     with open(Path(log_dir) / "keeper.log", "ab") as out:
         daemon = subprocess.Popen([binary, "-f"], env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                  preexec_fn=lambda: _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL))
+                                  preexec_fn=set_pdeathsig)
         while daemon.poll() is None and not stop.wait(0.1):
             pass
         if stop.is_set() and daemon.poll() is None:
@@ -231,11 +220,7 @@ def _keep(binary: str, pipe_dir: str, log_dir: str) -> int:
                 subprocess.run([binary], input=b"quit\n", env=env, stdout=out, stderr=out, timeout=QUIT_TIMEOUT_S)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 daemon.wait(QUIT_TIMEOUT_S)
-    from engine.lifeline import descendants
-
-    for pid in descendants(os.getpid()):  # what did not quit: the daemon, its server
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    kill_descendants(os.getpid())  # what did not quit: the daemon, its server
     daemon.wait()
     with contextlib.suppress(ChildProcessError):  # a subreaper's adopted children
         while os.waitpid(-1, 0)[0]:

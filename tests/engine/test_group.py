@@ -16,23 +16,21 @@ from typing import Any
 
 import pytest
 
+from engine.lifeline import descendants
 from tests.groupdiag import log_tail, spy_group
 from tests.reliability.kill9 import free_port, health, kill9_and_check, restart_after_kill9
+from tests.reliability.mps_stub import logged_pids, mps_env, mps_root
 from tests.transcript import Transcript, fast_client, quiet_client
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(os.environ.get("VOICEGW_TEST_ENGINE", "vllm") != "vllm", reason="vLLM engine tests")
 
 
-#: A stand-in for ``nvidia-cuda-mps-control`` (``gateway.cuda_mps`` on this GPU-less host).
-FAKE_MPS = ROOT / "tests" / "reliability" / "fake_mps"
-
-
 async def _start(model_dir: Path, port: int, log: Path, cores: int = 1, mps: bool = False) -> asyncio.subprocess.Process:
     """``voicegw serve`` with two gateway processes on ``cores`` engine cores, returned once both
-    gateway processes answer ``/healthz``; ``mps``: ``gateway.cuda_mps`` with ``FAKE_MPS`` on PATH
-    and the MPS directories under ``log``'s directory."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(_mps_env(log.parent) if mps else {})}
+    gateway processes answer ``/healthz``; ``mps``: ``gateway.cuda_mps`` with the MPS stand-in on
+    PATH and the MPS directories under ``log``'s directory."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(mps_env(log.parent) if mps else {})}
     env.pop("CUDA_MPS_PIPE_DIRECTORY", None)
     args = [
         "-m", "voicegw.cli", "serve", "--gateway.port", str(port), "--gateway.processes", "2",
@@ -148,15 +146,6 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        kids = _children(todo.pop())
-        out += kids
-        todo += kids
-    return out
-
-
 def _exists(path: str) -> bool:
     return os.path.exists(path)
 
@@ -233,16 +222,16 @@ async def test_gateway_processes_share_one_engine_core_and_the_port(tiny_model_d
         # keep the port, the engine core, its worker, the decoder, the resource tracker, the MPS
         # keeper, daemon and server) is gone within 2 s, and a new group on the same port comes up
         # healthy (issue 33)
-        mps_root = _mps_root(tmp_path)
-        mps_pids = {int(w) for w in _text(mps_root / "log" / "control.log").split() if w.isdigit()}
-        assert mps_pids and mps_pids <= set(_descendants(proc.pid)), mps_pids
+        first_mps = mps_root(tmp_path)
+        mps_pids = {p for pair in logged_pids(first_mps / "log") for p in pair}
+        assert mps_pids and mps_pids <= set(descendants(proc.pid)), mps_pids
         files = await asyncio.to_thread(kill9_and_check, proc.pid, 9)
         await proc.wait()
-        assert mps_root.exists()  # left by the dead run; the next run under MPS removes it
+        assert first_mps.exists()  # left by the dead run; the next run under MPS removes it
         second = await asyncio.to_thread(restart_after_kill9, tiny_model_dir, port, 2, tmp_path, proc.pid, files,
-                                         ("--gateway.cuda_mps", "true"), _mps_env(tmp_path))
-        assert not mps_root.exists()
-        second_mps = _mps_root(tmp_path)
+                                         ("--gateway.cuda_mps", "true"), mps_env(tmp_path))
+        assert not first_mps.exists()
+        second_mps = mps_root(tmp_path)
         paths = _listening_ipc_paths([p for p in _children(second.pid) if "voicegw-gateway-" in _cmdline(p)])
         assert len(paths) == 4 and all(map(_exists, paths)), paths
         # graceful stop: SIGTERM to the launcher drains both gateways, then the engine core stops
@@ -276,13 +265,13 @@ async def test_the_group_heals_when_one_of_its_engine_cores_dies(tiny_model_dir:
         assert len(gateways) == 2 and len(decoders) == 2 and len(cores) == 2, [_cmdline(p) for p in kids]
         assert "2 gateway processes on 2 engine core(s)" in _text(log)
         # gateway.cuda_mps: every process of the group points at this run's MPS daemon, started first
-        mps_root = _mps_root(tmp_path)
-        pipe = str(mps_root / "pipe")
+        root = mps_root(tmp_path)
+        pipe = str(root / "pipe")
         assert all(_environ(p).get("CUDA_MPS_PIPE_DIRECTORY") == pipe for p in gateways + decoders + cores)
-        daemon = _mps_daemon(mps_root)
+        daemon = logged_pids(root / "log")[-1][0]
         os.kill(daemon, signal.SIGKILL)  # started again within the supervisor's poll
         await _until(lambda: "CUDA MPS daemon 0 replaced" in _text(log), within_s=20, what=lambda: _text(log)[-2000:])
-        assert _mps_daemon(mps_root) != daemon and (mps_root / "pipe" / "control").exists()
+        assert logged_pids(root / "log")[-1][0] != daemon and (root / "pipe" / "control").exists()
         # sessions mid-answer on both gateway processes (the kernel spreads the connections)
         talking = await _mid_answer(port, 6, first_voice=100)
         t_kill = time.monotonic()
@@ -319,23 +308,6 @@ async def test_the_group_heals_when_one_of_its_engine_cores_dies(tiny_model_dir:
 def _environ(pid: int) -> dict[str, str]:
     with open(f"/proc/{pid}/environ", "rb") as f:
         return dict(kv.decode(errors="replace").partition("=")[::2] for kv in f.read().split(b"\0") if kv)
-
-
-def _mps_env(d: Path) -> dict[str, str]:
-    """``FAKE_MPS`` first on PATH, the MPS directories under ``d``."""
-    return {"PATH": f"{FAKE_MPS}{os.pathsep}{os.environ['PATH']}", "TMPDIR": str(d)}
-
-
-def _mps_root(d: Path) -> Path:
-    """The one MPS directory ``voicegw.mps`` made under ``d``."""
-    (root,) = d.glob("voicegw-mps-*")
-    return root
-
-
-def _mps_daemon(root: Path) -> int:
-    """The newest daemon pid the MPS stand-in logged under ``root``."""
-    lines = [ln for ln in (root / "log" / "control.log").read_text().splitlines() if ln.startswith("control ")]
-    return int(lines[-1].split()[1])
 
 
 async def _until(cond: Any, within_s: float, what: Any) -> None:

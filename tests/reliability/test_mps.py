@@ -15,17 +15,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.reliability.mps_stub import logged_pids, mps_env
 from voicegw import mps
 
-FAKE = Path(__file__).resolve().parent / "fake_mps"
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def fake_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     """The stand-in on PATH, no MPS set up, a temporary directory of this test's own."""
-    monkeypatch.setenv("PATH", f"{FAKE}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    for k, v in mps_env(tmp_path).items():
+        monkeypatch.setenv(k, v)
     monkeypatch.setattr("tempfile.tempdir", None)
     keys = (mps.PIPE_ENV, mps.LOG_ENV, "PYTHONPATH", "VOICEGW_VLLM_BOOT")
     saved = {k: os.environ.pop(k) for k in keys if k in os.environ and k != "PYTHONPATH"}
@@ -47,13 +47,12 @@ def _alive(pid: int) -> bool:
 
 
 def _pids(log_dir: Path, timeout_s: float = 5.0) -> tuple[int, int]:
-    """(daemon, server) as the stand-in logged them."""
+    """(daemon, server) of the stand-in's newest start."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        text = (log_dir / "control.log").read_text() if (log_dir / "control.log").exists() else ""
-        lines = [ln.split() for ln in text.splitlines() if ln.startswith("control ")]
-        if lines:
-            return int(lines[-1][1]), int(lines[-1][3])
+        pids = logged_pids(log_dir)
+        if pids:
+            return pids[-1]
         time.sleep(0.02)
     raise AssertionError(f"the daemon logged no pids in {log_dir}")
 
@@ -129,6 +128,7 @@ def test_a_dead_daemon_is_started_again_on_the_same_directories(fake_path: None)
 _OWNER = """
 import sys, time
 from engine.lifeline import mark_root
+from tests.reliability.mps_stub import logged_pids, mps_env
 from voicegw import mps
 mark_root()
 m = mps.start(required=True)
