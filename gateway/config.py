@@ -37,23 +37,19 @@ class GatewayConfig(Checked):
     processes: int = 0
     """Gateway processes (sessions, flow control, WebSocket I/O) sharing the port
     (``SO_REUSEPORT``), ``engine_cores`` vLLM engine cores through vLLM's multi-client front end, and
-    a decoder process per core (``voicegw.group``). 0: 4 when the engine is vLLM on a CUDA GPU
+    one decoder process for them all (``voicegw.group``). 0: 4 when the engine is vLLM on a CUDA GPU
     (docs/gpu.md), else 1 (rounded up to a multiple of ``engine_cores``).
     Above 1 needs the ``vllm`` backend and a fixed ``port``;
     ``limits.max_sessions`` then applies per process."""
     engine_cores: int = 1
     """vLLM engine-core processes the gateway processes are spread over, evenly (``processes``
     must be a multiple), all on the one device: each core has its own scheduler, batch, KV cache
-    (``engine.gpu_memory_utilization`` split evenly on a GPU; ``engine.kv_cache_gib`` each on CPU)
-    and decoder process (``decoder_per_core``); the kernel spreads connections over the gateway processes, so sessions
-    spread over the cores. One core steps one batch at a time from one Python thread: a second
+    (``engine.gpu_memory_utilization`` split evenly on a GPU; ``engine.kv_cache_gib`` each on CPU);
+    one decoder process serves them all. The kernel spreads connections over the gateway processes,
+    so sessions spread over the cores. One core steps one batch at a time from one Python thread: a second
     core adds the host time the first cannot give (bench/RESULTS.md)."""
-    decoder_per_core: bool = True
-    """A decoder process per engine core, serving that core's gateway processes; false: one decoder
-    process for all of them (one CUDA context fewer time-slicing the GPU, batches gathering the rows
-    of every core, one process's host thread for all the decoding)."""
     cuda_mps: bool = False
-    """Run the GPU processes (engine cores, decoder processes) as clients of a CUDA MPS daemon that
+    """Run the GPU processes (engine cores, the decoder process) as clients of a CUDA MPS daemon that
     ``voicegw serve`` starts for itself (``nvidia-cuda-mps-control`` on PATH, from the NVIDIA
     driver's compute utilities), so that their kernels share the GPU at the same time instead of
     taking turns (``voicegw.mps``). An MPS daemon set up already (``CUDA_MPS_PIPE_DIRECTORY`` in the

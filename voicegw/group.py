@@ -10,9 +10,9 @@ uses), not a broker of ours:
  voicegw serve (this process: launcher + supervisor, no sessions)
    ├── vLLM engine core 0            <- launch_core_engines(), M client endpoints (ZMQ)
    │     ├── gateway process 0: asyncio, sessions, AsyncLLM(client_index=0)
-   │     ├── ... gateway process M-1      (SO_REUSEPORT: the kernel spreads connections)
-   │     └── decoder process 0 (one socket per gateway process of the core)
-   ├── ... engine core K-1 with gateway processes (K-1)M .. KM-1 and decoder process K-1
+   │     └── ... gateway process M-1      (SO_REUSEPORT: the kernel spreads connections)
+   ├── ... engine core K-1 with gateway processes (K-1)M .. KM-1
+   ├── the decoder process (one socket per gateway process, of every core)
    └── on a CUDA GPU: this run's MPS daemon (``voicegw.mps``, ``gateway.cuda_mps``), started
        before the others: the cores' and decoders' kernels share the GPU instead of taking turns
 ```
@@ -29,11 +29,10 @@ uses), not a broker of ours:
 * **Port**: every gateway process binds ``gateway.host:port`` with ``SO_REUSEPORT``. A client's
   retry/resume is stateless on the server (the client resends from a segment boundary), so a
   reconnect may land on any process.
-* **Decoder**: one decoder process per engine core (``gateway.decoder_per_core``; false: one for
-  all the cores), started here once the engine cores are up, one socket and one range of sample
-  rows per gateway process (``engine.vllm.launch.shared_decoder_plan``): one batch for the sessions
-  it serves, rather than one decoder per gateway process with a quarter of the batch each
-  (bench/RESULTS.md).
+* **Decoder**: one decoder process for the whole group, started here once the engine cores are up,
+  one socket and one range of sample rows per gateway process
+  (``engine.vllm.launch.shared_decoder_plan``): one batch gathering the rows of every session, and
+  one CUDA context fewer than one decoder per engine core, which lost on the GPU (bench/RESULTS.md).
 * **Failure, healed**: when an engine core dies, this process tells its gateway processes (vLLM's
   client of an engine core it did not start cannot see it: ``{"event": "dead"}`` on each one's
   control pipe, ``SharedClient.control``; their sessions get ``engine_unavailable`` and 1011,
@@ -114,14 +113,6 @@ def _gateway_process(cfg: Config, shared: SharedClient) -> None:
     sys.exit(run_gateway(cfg, speech))
 
 
-def decoder_layout(processes: int, cores: int, per_core: bool) -> tuple[int, int]:
-    """(decoder processes, gateway processes per decoder process) for ``processes`` gateway
-    processes on ``cores`` engine cores: decoder ``d`` serves gateway processes ``d*k`` to
-    ``d*k + k - 1`` (one decoder per core: the processes of core ``d``)."""
-    n_dec = cores if per_core else 1
-    return n_dec, processes // n_dec
-
-
 def serve_group(cfg: Config, model_dir: str, cuda_mps: Mps | None = None) -> int:
     """``voicegw serve`` with ``gateway.processes`` > 1 (see the module docstring); ``cuda_mps``:
     the run's MPS daemon (``voicegw.mps``), started again if it dies. Returns the exit code: 0
@@ -151,19 +142,17 @@ def serve_group(cfg: Config, model_dir: str, cuda_mps: Mps | None = None) -> int
 def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameTable, per: int,
                t0: float, made: list[str], cuda_mps: Mps | None) -> int:
     """The group's start and supervision (``serve_group``); each decoder samples file's path goes
-    into ``made`` as soon as it exists, so that the caller removes it whatever happens."""
+    into ``made`` as soon as it exists, so that the caller removes it whatever happens. One decoder
+    process serves every gateway process (``decoders`` holds it, for ``_supervise``)."""
     n = cfg.gateway.processes
     cores = cfg.gateway.engine_cores
     m = n // cores  # gateway processes per engine core
     ctx = multiprocessing.get_context("spawn")
     from engine.decoder.client import spawn_worker
 
-    n_dec, k = decoder_layout(n, cores, cfg.gateway.decoder_per_core)
-    plans = []  # per decoder: (its settings, its clients' shares, the worker's ends, samples file)
-    for _ in range(n_dec):
-        plan = shared_decoder_plan(cfg.engine, model_dir, proto.device, k, cores // n_dec)
-        made.append(plan[3])
-        plans.append(plan)
+    # the decoder's settings, each gateway process's share, the worker's ends, the samples file
+    settings, shares, theirs, path = shared_decoder_plan(cfg.engine, model_dir, proto.device, n, cores)
+    made.append(path)
 
     procs: list[Any] = []  # the gateway processes spawn() started (also when launch_core fails after it)
     controls: list[Any] = []  # per gateway process: where a replacement engine core's client config goes
@@ -175,7 +164,7 @@ def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameT
             for j, c in enumerate(configs):
                 i = core * m + j  # the process's place in the group: its frame-table slots
                 theirs_end, ours_end = ctx.Pipe(duplex=False)
-                shared = SharedClient(c, j, m, table.spec.to_env(), i * per, (i + 1) * per, loads, plans[i // k][1][i % k],
+                shared = SharedClient(c, j, m, table.spec.to_env(), i * per, (i + 1) * per, loads, shares[i],
                                       control=theirs_end)
                 p = ctx.Process(target=_gateway_process, args=(cfg, shared), name=f"voicegw-gateway-{i}")
                 with _lifeline_env():  # started from this thread: PR_SET_PDEATHSIG is safe there
@@ -202,13 +191,13 @@ def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameT
         launched[core] = launch_core(core_config(proto, table, m, 1 / cores), m, send)
 
     def heal_decoder(d: int) -> None:
-        """A new decoder process for dead decoder ``d``: its gateway processes get their shares
-        (sockets included: multiprocessing passes them) and attach by themselves."""
-        settings, shares, theirs, path = shared_decoder_plan(cfg.engine, model_dir, proto.device, k, cores // n_dec)
+        """A new decoder process for the dead one (``d``: 0): the gateway processes get their
+        shares (sockets included: multiprocessing passes them) and attach by themselves."""
+        settings, shares, theirs, path = shared_decoder_plan(cfg.engine, model_dir, proto.device, n, cores)
         made.append(path)
         try:
-            for j, share in enumerate(shares):
-                controls[d * k + j].send({"event": "decoder", "share": share})
+            for control, share in zip(controls, shares, strict=True):
+                control.send({"event": "decoder", "share": share})
             decoders[d] = spawn_worker(settings, theirs, path, settings.slots)
         finally:
             for t in theirs:
@@ -226,20 +215,18 @@ def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameT
                 for core in range(cores):  # one after the other: each sizes its KV cache beside the ones up
                     launched.append(launch_core(core_config(proto, table, m, 1 / cores), m, spawner(core)))
                 t_core = time.monotonic()
-                # after the engine cores are up: vLLM sized their KV caches without the decoders' GPU
-                # memory in the way (the gateway processes wait for their decoder's ready message)
-                for settings, _, theirs, path in plans:
-                    decoders.append(spawn_worker(settings, theirs, path, settings.slots))
+                # after the engine cores are up: vLLM sized their KV caches without the decoder's GPU
+                # memory in the way (the gateway processes wait for the decoder's ready message)
+                decoders.append(spawn_worker(settings, theirs, path, settings.slots))
             except Exception as exc:  # noqa: BLE001 - startup failure: one clear line
                 log.error("cannot start the shared engine core: %s", exc)
                 _stop_all(procs, cfg, force=True)
                 return 2
             finally:
-                for _, shares, theirs, _ in plans:
-                    for t in theirs:
-                        t.close()
-                    for sh in shares:
-                        sh.sock.close()  # the gateway processes hold their own copies
+                for t in theirs:
+                    t.close()
+                for sh in shares:
+                    sh.sock.close()  # the gateway processes hold their own copies
             log.info("%d gateway processes on %d engine core(s) (pids %s), %d decoder process(es) (pids %s); "
                      "start phases: config %.1f s, engine cores and their clients' handshake %.1f s, decoder "
                      "spawn %.1f s (the gateway processes log their own readiness)",

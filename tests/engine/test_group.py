@@ -250,7 +250,7 @@ async def test_gateway_processes_share_one_engine_core_and_the_port(tiny_model_d
 
 
 async def test_the_group_heals_when_one_of_its_engine_cores_dies(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """Two engine cores (``gateway.engine_cores`` 2), one gateway process and one decoder each.
+    """Two engine cores (``gateway.engine_cores`` 2), one gateway process each, one decoder process.
     SIGKILL of one engine core mid-answer: the sessions on it get ``engine_unavailable`` and close
     1011, the others finish; the launcher starts a new engine core, its gateway process reconnects
     (``/healthz`` 503 meanwhile, then 200 from both processes) and new sessions speak."""
@@ -262,7 +262,7 @@ async def test_the_group_heals_when_one_of_its_engine_cores_dies(tiny_model_dir:
         gateways = [p for p in kids if "voicegw-gateway-" in _cmdline(p)]
         decoders = [p for p in kids if "engine.decoder.worker" in _cmdline(p)]
         cores = [p for p in kids if "EngineCore" in _cmdline(p)]
-        assert len(gateways) == 2 and len(decoders) == 2 and len(cores) == 2, [_cmdline(p) for p in kids]
+        assert len(gateways) == 2 and len(decoders) == 1 and len(cores) == 2, [_cmdline(p) for p in kids]
         assert "2 gateway processes on 2 engine core(s)" in _text(log)
         # gateway.cuda_mps: every process of the group points at this run's MPS daemon, started first
         root = mps_root(tmp_path)
@@ -315,20 +315,6 @@ async def _until(cond: Any, within_s: float, what: Any) -> None:
     while not cond():
         assert time.monotonic() < deadline, what()
         await asyncio.sleep(0.1)
-
-
-def test_decoder_processes_serve_whole_engine_cores() -> None:
-    """``gateway.decoder_per_core``: a decoder process per engine core serves that core's gateway
-    processes; false: one serves them all (each gateway process's decoder share is
-    ``plans[i // k][i % k]``)."""
-    from voicegw.group import decoder_layout
-
-    assert decoder_layout(4, 2, True) == (2, 2)  # processes 0-1 (core 0) on decoder 0, 2-3 on decoder 1
-    assert decoder_layout(4, 2, False) == (1, 4)
-    assert decoder_layout(2, 1, True) == decoder_layout(2, 1, False) == (1, 2)
-    n, k = decoder_layout(6, 3, True)
-    cores_of = [[i // 2 for i in range(6) if i // k == d] for d in range(n)]  # core of process i: i // (6 / 3)
-    assert cores_of == [[0, 0], [1, 1], [2, 2]]
 
 
 def test_engine_core_restarts_are_bounded() -> None:
