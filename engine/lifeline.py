@@ -82,6 +82,29 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def sigkill_pending(pid: int) -> bool:
+    """Whether process ``pid`` has a SIGKILL pending (``/proc/<pid>/status``: ``ShdPnd`` or
+    ``SigPnd``): it never runs another instruction of its own, but the kernel closes its files
+    only late in its exit, after its memory is torn down, and a process in uninterruptible sleep
+    (D state: I/O, reclaim) takes the signal only when that sleep ends, which on a loaded host
+    takes seconds. False when it cannot tell (no such process, no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return False
+    bit = 1 << (int(signal.SIGKILL) - 1)
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key in ("ShdPnd", "SigPnd"):
+            try:
+                if int(value.strip(), 16) & bit:
+                    return True
+            except ValueError:
+                continue
+    return False
+
+
 def descendants(pid: int) -> list[int]:
     """``pid``'s descendants, children first (``/proc/<pid>/task/*/children``; [] without it)."""
     out: list[int] = []

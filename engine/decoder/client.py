@@ -10,8 +10,16 @@ loop; sends are serialized by a lock.
 Bounded: ``slots`` streams at once (``open_stream`` raises a recoverable ``EngineError`` when
 none is free), one job in flight per stream, ``out_cap_steps`` steps of samples per job (a larger
 emission is cut into several jobs). A stream closed with a job in flight keeps its slot until the
-reply arrives, so the worker never writes into a slot its next owner reads. When the worker dies,
-every pending push fails ``UNRECOVERABLE`` and ``healthy`` turns false.
+reply arrives, so the worker never writes into a slot its next owner reads.
+
+A dead worker: every pending push fails ``UNRECOVERABLE`` and ``healthy`` turns false, as soon as
+the client sees any of three signs. EOF on the socket (the kernel closed the worker's files); the
+worker's exit on a pidfd of its pid (the ready message names it; the exit shows even where a copy
+of the worker's socket end outlives it in another process); a SIGKILL pending for it (read by
+``healthy``: a process in uninterruptible sleep takes the signal, and closes its files, only when
+that sleep ends, seconds later on a loaded host). A worker that does not answer a job within
+``DecoderSettings.job_deadline_s`` (stuck, or dead with its socket end held open elsewhere) is
+killed and fails the same way; the speech engine's watchdog then replaces it.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import json
 import logging
 import mmap
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -49,6 +58,7 @@ from engine.decoder.worker import (
     SOCKET_BUFFER_BYTES,
     STATUS_OK,
 )
+from engine.lifeline import sigkill_pending
 from engine.shm import create_file, map_file, new_path
 
 _log = logging.getLogger(__name__)
@@ -59,6 +69,9 @@ _PAYLOAD_BYTES = 256 << 10
 """Most input bytes in one message (hidden states are 3 KB per step)."""
 COUNTERS_REFRESH_S = 0.5
 """``refresh_worker_counters``: shortest time between two requests for the worker's counters."""
+KILL_CHECK_S = 0.1
+"""``healthy``: shortest time between two reads of the worker's pending signals (``/proc``: tens
+of microseconds, and admission control asks for health per request)."""
 
 
 @dataclass
@@ -98,6 +111,12 @@ class DecoderSettings:
     out_cap_steps: int = 0
     """Steps of samples one job may return (0: 2 x chunk_steps; ``job_cap_steps`` resolves it)."""
     start_timeout_s: float = 600.0
+    job_deadline_s: float = 30.0
+    """Longest wait for the worker's reply to one job (its send included); past it the worker
+    counts as stuck: it is killed and every pending push fails ``UNRECOVERABLE``. A forward takes
+    milliseconds to a few hundred (a full batch on a CPU) and a job waits behind a few of them: a
+    stream that got no audio for this long is broken for its listener anyway, and a bound this far
+    above a loaded host's scheduling stalls never fires during normal work."""
     env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -196,6 +215,11 @@ class DecoderClient:
         self.failed: str | None = None
         self.out_cap_steps = settings.job_cap_steps
         self._proc: subprocess.Popen[bytes] | None = None
+        self.worker_pid: int | None = None
+        """The worker's pid (its ready message), once started."""
+        self._pidfd: int | None = None
+        """A pidfd of the worker (Linux 5.3+): readable once it exited."""
+        self._kill_checked_s = -1e9
         self._sock: socket.socket | None = None
         self._mm: mmap.mmap | None = None
         self._out: np.ndarray | None = None
@@ -221,11 +245,19 @@ class DecoderClient:
 
     @property
     def healthy(self) -> bool:
-        if self.failed is not None:
+        """Whether the worker serves. A worker with a SIGKILL pending fails the client here (its
+        pending pushes fail at once) rather than when the kernel ends its exit."""
+        if self.failed is not None or self._sock is None:
             return False
-        if self.attach is not None:
-            return self._sock is not None
-        return self._proc is not None and self._proc.poll() is None
+        if self._proc is not None and self._proc.poll() is not None:
+            return False
+        now = time.monotonic()
+        if self.worker_pid is not None and now - self._kill_checked_s >= KILL_CHECK_S:
+            self._kill_checked_s = now
+            if sigkill_pending(self.worker_pid):
+                self._fail("decoder process killed")
+                return False
+        return True
 
     @property
     def _out_cap_samples(self) -> int:
@@ -267,6 +299,7 @@ class DecoderClient:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # both sides have it mapped: nothing is left behind if either dies
         self.info = info
+        self._watch_worker(self._proc.pid if self._proc is not None else int(info["pid"]))
         self.step_dim = int(info["step_dim"])
         self.lookahead_steps = int(info["lookahead_steps"])
         self.code_limit = info.get("code_limit")
@@ -289,6 +322,7 @@ class DecoderClient:
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_reader(sock.fileno())
             sock.close()
+        self._unwatch_worker()
         self._fail("decoder closed")
         proc, self._proc = self._proc, None
         if proc is not None:
@@ -334,8 +368,12 @@ class DecoderClient:
         """The worker's counters (forwards, rows, busy time, largest batch)."""
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(fut)
-        await self._send(REQ.pack(KIND_STATS, 0, 0, 0, 0, 0))
-        return await fut
+        try:
+            async with asyncio.timeout(self.settings.job_deadline_s):
+                await self._send(REQ.pack(KIND_STATS, 0, 0, 0, 0, 0))
+                return await fut
+        except TimeoutError:
+            raise self._unanswered() from None
 
     def refresh_worker_counters(self, min_interval_s: float = COUNTERS_REFRESH_S) -> None:
         """Ask the worker for its counters without waiting: the reply updates ``worker_counters``.
@@ -384,12 +422,16 @@ class DecoderClient:
         self._pending[job] = (slot, fut)
         slot.busy = True
         try:
-            await self._send(msg)
-        except BaseException:
-            self._pending.pop(job, None)
-            slot.busy = False
-            raise
-        status, samples = await fut
+            async with asyncio.timeout(self.settings.job_deadline_s):
+                try:
+                    await self._send(msg)
+                except BaseException:
+                    self._pending.pop(job, None)
+                    slot.busy = False
+                    raise
+                status, samples = await fut
+        except TimeoutError:
+            raise self._unanswered() from None
         if status != STATUS_OK:
             raise EngineError("decoder rejected the input" if status == 1 else "decoder forward failed")
         assert self._out is not None
@@ -435,6 +477,42 @@ class DecoderClient:
                     w = self._stats_waiters.popleft()
                     if not w.done():
                         w.set_result(json.loads(msg[1:]))
+
+    def _unanswered(self) -> EngineError:
+        """A job (or counters request) the worker did not answer within ``job_deadline_s``: kill
+        the worker (for a share: the launcher replaces it), fail the client; the error to raise."""
+        why = f"decoder process did not answer within {self.settings.job_deadline_s:g} s: killed"
+        self._fail(why)
+        with contextlib.suppress(OSError):
+            if self._proc is not None:
+                self._proc.kill()
+            elif self._pidfd is not None:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        return EngineError(why, EngineErrorKind.UNRECOVERABLE)
+
+    def _watch_worker(self, pid: int) -> None:
+        """Fail the client when process ``pid`` (the worker) exits, whoever else holds a copy of its
+        socket end (a pidfd on the event loop; without pidfds the socket's EOF alone tells)."""
+        self.worker_pid = pid
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # exited and reaped already (a share's worker: by the launcher)
+            self._fail("decoder process exited")
+            return
+        except OSError:  # no pidfd on this kernel: the socket's EOF alone tells
+            return
+        asyncio.get_running_loop().add_reader(self._pidfd, self._on_worker_exit)
+
+    def _on_worker_exit(self) -> None:
+        self._unwatch_worker()
+        self._fail("decoder process exited")
+
+    def _unwatch_worker(self) -> None:
+        fd, self._pidfd = self._pidfd, None
+        if fd is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
 
     def _fail(self, why: str) -> None:
         if self.failed is None:

@@ -337,14 +337,18 @@ async def test_engine_restarts_by_itself_after_a_crash() -> None:
 
 def _process_state(pid: int, t_kill: float, decoder: Any) -> str:
     """Why a killed decoder still counts as healthy: its kernel state (a process in D state takes
-    SIGKILL only when its I/O ends), the time since the kill, what the client saw."""
+    SIGKILL only when its I/O ends, and closes its socket only late in its exit: the client reads
+    the pending SIGKILL instead), the time since the kill, what the client saw."""
+    from engine.lifeline import sigkill_pending
+
     try:
         state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:"))
     except (OSError, StopIteration):
         state = "gone from /proc"
     proc = decoder._proc
-    return (f"decoder pid {pid} {time.monotonic() - t_kill:.2f} s after SIGKILL: {state}; client's process "
-            f"{proc.pid if proc else None} poll={proc.poll() if proc else None}, failed={decoder.failed!r}")
+    return (f"decoder pid {pid} {time.monotonic() - t_kill:.2f} s after SIGKILL: {state}, SIGKILL pending "
+            f"{sigkill_pending(pid)}; client's process {proc.pid if proc else None} "
+            f"poll={proc.poll() if proc else None}, failed={decoder.failed!r}")
 
 
 async def test_decoder_process_killed_mid_stream_then_recovery(vllm_parts: tuple[Any, Any],
