@@ -42,6 +42,7 @@ only: this runs in ``sitecustomize`` of every process vLLM spawns.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -80,6 +81,23 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def left_by_dead(directory: str | os.PathLike[str], name: re.Pattern[str]) -> list[os.DirEntry[str]]:
+    """The entries of ``directory`` whose whole name matches ``name``, an owner pid in its group
+    ``pid``, for owners that are neither this process nor alive: what a run killed by SIGKILL left
+    behind (``engine.shm.remove_stale``, ``voicegw.mps.remove_stale``). [] where the directory
+    cannot be read."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    out = []
+    for entry in entries:
+        m = name.fullmatch(entry.name)
+        if m is not None and int(m.group("pid")) != os.getpid() and not pid_alive(int(m.group("pid"))):
+            out.append(entry)
+    return out
 
 
 def sigkill_pending(pid: int) -> bool:

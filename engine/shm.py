@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.lifeline import pid_alive
+from engine.lifeline import left_by_dead
 
 
 def shm_dir() -> Path:
@@ -29,7 +29,7 @@ def new_path(kind: str) -> str:
     return str(shm_dir() / f"voicegw-{kind}-{os.getpid()}-{secrets.token_hex(6)}")
 
 
-_NAME = re.compile(r"voicegw-([a-z]+)-(\d+)-([0-9a-f]{12})")
+_NAME = re.compile(r"voicegw-([a-z]+)-(?P<pid>\d+)-([0-9a-f]{12})")
 
 
 def remove_stale(directory: Path | None = None) -> list[str]:
@@ -40,21 +40,11 @@ def remove_stale(directory: Path | None = None) -> list[str]:
     touched: a live run's files (any owner pid that exists, even a reused one), other users' and
     other programs' files stay. Owner pids are this pid namespace's: hosts that share ``/dev/shm``
     between pid namespaces (containers given the host's) must not run two gateways' sweeps."""
-    d = directory or shm_dir()
     removed: list[str] = []
-    try:
-        entries = list(os.scandir(d))
-    except OSError:
-        return removed
     uid = os.getuid()
-    for entry in entries:
-        m = _NAME.fullmatch(entry.name)
-        if m is None or int(m.group(2)) == os.getpid():
-            continue
+    for entry in left_by_dead(directory or shm_dir(), _NAME):
         try:
             if not entry.is_file(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != uid:
-                continue
-            if pid_alive(int(m.group(2))):
                 continue
             os.unlink(entry.path)
         except OSError:

@@ -60,7 +60,7 @@ START_TIMEOUT_S = 10.0
 #: How long the keeper waits for the daemon to quit before it SIGKILLs it and its server.
 QUIT_TIMEOUT_S = 10.0
 
-_NAME = re.compile(r"voicegw-mps-(\d+)-([0-9a-f]{12})")
+_NAME = re.compile(r"voicegw-mps-(?P<pid>\d+)-([0-9a-f]{12})")
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -173,19 +173,11 @@ def start(*, required: bool) -> Mps | None:
 def remove_stale(directory: Path | None = None) -> list[str]:
     """Remove the directories :func:`start` made for runs whose owner pid no longer exists (a run
     killed by SIGKILL leaves them behind); returns the paths removed."""
-    from engine.lifeline import pid_alive
+    from engine.lifeline import left_by_dead
 
-    d = directory or Path(tempfile.gettempdir())
     removed: list[str] = []
-    try:
-        entries = list(os.scandir(d))
-    except OSError:
-        return removed
-    for entry in entries:
-        m = _NAME.fullmatch(entry.name)
-        if m is None or int(m.group(1)) == os.getpid() or not entry.is_dir(follow_symlinks=False):
-            continue
-        if pid_alive(int(m.group(1))):
+    for entry in left_by_dead(directory or Path(tempfile.gettempdir()), _NAME):
+        if not entry.is_dir(follow_symlinks=False):
             continue
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(entry.path)
