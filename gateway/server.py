@@ -462,7 +462,7 @@ class _Connection:
         else:
             self.log.info("connected from %s", peer)
         writer = asyncio.create_task(self._writer())
-        self._rearm_timer()  # the idle timer runs from the handshake, not from the first message
+        self._rearm_timer(self.loop.time())  # the idle timer runs from the handshake, not from the first message
         try:
             async for message in self.ws:
                 if isinstance(message, bytes | bytearray | memoryview):
@@ -542,15 +542,18 @@ class _Connection:
     # ---- events into the session, actions out -------------------------------------------
 
     def dispatch(self, fn: Callable[..., list[Action]], *args: Any) -> None:
-        """Run one session event and carry out its actions."""
+        """Run one session event and carry out its actions, all as of one reading of the clock:
+        a gate closed as of one instant while the timer that reopens it is skipped as of a later
+        one (credit free by then) would leave a stream waiting for good."""
+        now = self.loop.time()
         try:
-            actions = fn(self.loop.time(), *args)
+            actions = fn(now, *args)
         except Exception:
             self.log.exception("session core failed")
-            actions = self.session.on_internal_error(self.loop.time())
-        self._apply(actions)
+            actions = self.session.on_internal_error(now)
+        self._apply(actions, now)
 
-    def _apply(self, actions: list[Action]) -> None:
+    def _apply(self, actions: list[Action], now: float) -> None:
         for a in actions:
             if isinstance(a, SendAudio):
                 self._enqueue(_Out(a.data, None, a.ttfa, a.utterance_id))
@@ -567,8 +570,8 @@ class _Connection:
                     self.close_req = a
                 self.out_ready.set()
         if not self.done:
-            self._sync_gates()
-            self._rearm_timer()
+            self._sync_gates(now)
+            self._rearm_timer(now)
 
     def _enqueue(self, item: _Out) -> None:
         if self.close_req is not None:
@@ -582,18 +585,17 @@ class _Connection:
             self.log.warning("outbound over %d bytes: slow reader", self.hard_cap_bytes)
             self.outbound.clear()
             self.out_bytes = 0
-            self._apply(self.session.on_slow_reader(self.loop.time()))
+            now = self.loop.time()
+            self._apply(self.session.on_slow_reader(now), now)
 
-    def _sync_gates(self) -> None:
-        now = self.loop.time()
+    def _sync_gates(self, now: float) -> None:
         for rid, runner in self.runners.items():
             if self.session.may_pull(now, rid):
                 runner.gate.set()
             else:
                 runner.gate.clear()
 
-    def _rearm_timer(self) -> None:
-        now = self.loop.time()
+    def _rearm_timer(self, now: float) -> None:
         at = self.session.next_deadline_s(now)
         if at == self.timer_at and self.timer is not None:
             return

@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -434,6 +435,62 @@ async def test_flow_window_holds_back_audio_and_engine(make_gateway: GatewayFact
             await c.send_playback(c.received_samples)
             await asyncio.sleep(0.01)
         assert (await done)["samples"] == c.received_samples
+        await c.close()
+
+
+class _ClockMovingInsideAnEvent:
+    """The running loop, but its clock reads ``step_s`` later after the first read: the clock ticked
+    between two reads inside one event (asyncio's and uvloop's clocks are read afresh at every call;
+    a busy host stretches an event over milliseconds)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, step_s: float) -> None:
+        self._loop = loop
+        self._step_s = step_s
+        self._reads = 0
+
+    def time(self) -> float:
+        self._reads += 1
+        return self._loop.time() + (self._step_s if self._reads > 1 else 0.0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loop, name)
+
+
+async def test_an_event_decides_gates_and_timer_as_of_one_instant(make_gateway: GatewayFactory):
+    """A listener that never reports playback (the server paces it to real time) with audio held
+    back for want of send credit: one timer event, with the clock moving by more than a frame while
+    the server handles it, leaves the timer that sends the next frame armed. Deciding the gate as of
+    one instant and the timer as of a later one (credit free by then: no timer) stranded the held
+    audio for good, the session open with no error and no end (the group heal test in CI, once)."""
+    engine = FakeSpeechEngine(speed=50.0)
+    async with make_gateway(engine, limits={"flow_window_ms": 300}) as server:
+        t = Transcript()
+        c = quiet_client(server.ws_url, t)
+        await c.connect()
+        await c.send_text("A paced answer, long enough to hold audio back for a while. " * 3)
+        await c.end()
+        await t.wait_audio(within_s=10)
+        (conn,) = server.connections
+        session = conn.session
+        frame_s = session._frame_samples / session.rate_hz
+
+        def held_for_credit() -> bool:
+            head = session._streams[0] if session._streams else None
+            now = conn.loop.time()
+            return head is not None and head.held_samples > 0 and not session.flow.can_send(now, session._frame_samples)
+
+        assert await wait_until(held_for_credit, within_s=5)
+        assert conn.timer is not None
+        real = conn.loop
+        conn.loop = _ClockMovingInsideAnEvent(real, frame_s + 0.005)
+        try:
+            conn.dispatch(session.on_timer)
+        finally:
+            conn.loop = real
+        assert session._streams[0].held_samples > 0
+        assert conn.timer is not None, "held audio with no timer to send it"
+        done = await t.wait_for("utterance.done", within_s=15)
+        assert done["status"] == "ok"
         await c.close()
 
 
