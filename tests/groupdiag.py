@@ -23,8 +23,9 @@ def log_tail(path: Path, lines: int = 60) -> str:
     return "\n".join(kept[-lines:])
 
 
-def spy_group(root_pid: int) -> str:
-    """py-spy stacks (Python frames, GIL holder marked) of ``root_pid`` and all its descendants."""
+def spy_group(root_pid: int, only: tuple[str, ...] = ()) -> str:
+    """py-spy stacks (Python frames, GIL holder marked) of ``root_pid`` and all its descendants
+    (those whose command line holds one of ``only``, when given)."""
     beside = Path(sys.executable).with_name("py-spy")  # the test environment's, before PATH's
     spy = str(beside) if beside.exists() else shutil.which("py-spy")
     if spy is None:
@@ -39,6 +40,27 @@ def spy_group(root_pid: int) -> str:
             name = " ".join(p.cmdline())[:90] or p.name()
         except psutil.Error:
             continue
+        if only and not any(o in name for o in only):
+            continue
         r = subprocess.run([spy, "dump", "--native", "--pid", str(p.pid)], capture_output=True, text=True, timeout=30)
         out.append(f"=== pid {p.pid}: {name}\n{r.stdout}{r.stderr}")
     return "\n".join(out)
+
+
+def no_end_report(fates: list[tuple[str, int | None]], session_ids: list[str | None], log: Path,
+                  root_pid: int) -> str:
+    """Why answers had no end, for a failure message that is printed cut in the middle: the fates,
+    stacks of the gateway and decoder processes, the log's tail, and last each such session's own
+    log lines (by session id)."""
+    stacks = spy_group(root_pid, only=("voicegw-gateway-", "engine.decoder.worker"))
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    own = []
+    for (fate, _), sid in zip(fates, session_ids, strict=True):
+        if fate in ("ok", "engine_unavailable"):
+            continue
+        own.append(f"--- session {sid}: {fate}")
+        own += [ln for ln in lines if sid and sid in ln]
+    return "\n".join([str(fates), stacks, log_tail(log, 80), *own])

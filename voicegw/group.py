@@ -38,7 +38,9 @@ uses), not a broker of ours:
   control pipe, ``SharedClient.control``; their sessions get ``engine_unavailable`` and 1011,
   ``/healthz`` turns 503), starts a new engine core for the same clients and sends them its client
   config (``{"event": "core"}``); each gateway process reconnects and warms up (``/healthz`` 200
-  again). At most 3 such restarts in 10 minutes (``RestartBudget``), then the group stops (exit 1).
+  again). At most 3 such restarts in 10 minutes (``RestartBudget``), then the group stops (exit 1);
+  the dead core's gateway processes are told all the same, so that its sessions get
+  ``engine_unavailable`` at once rather than 1012 at the end of the drain.
   A dead decoder process is replaced the same way: its gateway processes' streams fail
   (``engine_unavailable``, 1011), the launcher starts a new decoder process and sends each gateway
   process its share (``{"event": "decoder"}``), and each one attaches (``ChatTTSSpeech``'s watchdog).
@@ -176,11 +178,16 @@ def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameT
 
         return spawn
 
-    def heal(core: int) -> None:
-        """A new engine core for dead ``core``: its gateway processes get the new client configs
-        (listening sockets included: multiprocessing passes them) and reconnect by themselves."""
+    def core_dead(core: int) -> None:
+        """Tell dead ``core``'s gateway processes (vLLM's client cannot see it by itself): their
+        streams on it fail at once, whether a new engine core follows or the group stops."""
         for j in range(m):
-            controls[core * m + j].send({"event": "dead"})  # vLLM's client cannot see it by itself
+            controls[core * m + j].send({"event": "dead"})
+
+    def heal(core: int) -> None:
+        """A new engine core for dead ``core`` (its gateway processes were told, ``core_dead``):
+        they get the new client configs (listening sockets included: multiprocessing passes them)
+        and reconnect by themselves."""
         launched[core].stop()
 
         def send(configs: list[dict[str, Any]]) -> list[Any]:
@@ -232,7 +239,7 @@ def _run_group(cfg: Config, model_dir: str, proto: VllmCodeEngine, table: FrameT
                      "spawn %.1f s (the gateway processes log their own readiness)",
                      n, cores, [p.pid for p in procs], len(decoders), [d.pid for d in decoders],
                      t_launch - t0, t_core - t_launch, time.monotonic() - t_core)
-            code = _supervise(procs, launched, stop, cfg, decoders, heal, heal_decoder, cuda_mps=cuda_mps)
+            code = _supervise(procs, launched, stop, cfg, decoders, core_dead, heal, heal_decoder, cuda_mps=cuda_mps)
     finally:
         for c in launched:
             c.stop()
@@ -298,11 +305,13 @@ class RestartBudget:
 
 
 def _supervise(procs: list[Any], launched: list[CoreLaunch], stop: _Signals, cfg: Config, decoders: list[Any],
-               heal: Callable[[int], None], heal_decoder: Callable[[int], None],
-               budget: RestartBudget | None = None, cuda_mps: Mps | None = None) -> int:
-    """Forward signals; replace a dead engine core (``heal``), decoder process (``heal_decoder``)
-    or MPS daemon (``cuda_mps``), within ``budget``; stop the group when a gateway process dies,
-    or when one of those dies once too often."""
+               core_dead: Callable[[int], None], heal: Callable[[int], None],
+               heal_decoder: Callable[[int], None], budget: RestartBudget | None = None,
+               cuda_mps: Mps | None = None) -> int:
+    """Forward signals; tell a dead engine core's gateway processes (``core_dead``) and replace it
+    (``heal``); replace a dead decoder process (``heal_decoder``) or MPS daemon (``cuda_mps``);
+    all within ``budget``. Stop the group when a gateway process dies, or when one of those dies
+    once too often."""
     budget = budget or RestartBudget()
     forwarded = 0
     deadline: float | None = None
@@ -327,6 +336,8 @@ def _supervise(procs: list[Any], launched: list[CoreLaunch], stop: _Signals, cfg
             return 1
         else:
             lost = [("engine core", k, heal) for k, core in enumerate(launched) if engine_dead(core.manager)]
+            for _, k, _ in lost:
+                core_dead(k)
             lost += [("decoder process", k, heal_decoder) for k, d in enumerate(decoders) if d.poll() is not None]
             if cuda_mps is not None and cuda_mps.poll() is not None:  # processes that start from now on need it
                 lost.append(("CUDA MPS daemon", 0, lambda _: cuda_mps.restart()))

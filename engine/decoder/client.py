@@ -67,6 +67,9 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 """The checkout (``engine`` is importable from here in the worker)."""
 _PAYLOAD_BYTES = 256 << 10
 """Most input bytes in one message (hidden states are 3 KB per step)."""
+_EXIT_WAIT_S = 10.0
+"""``close``: how long the worker may take to exit once its socket closed, then to be reaped
+once killed (beyond that ``close`` logs it and returns)."""
 COUNTERS_REFRESH_S = 0.5
 """``refresh_worker_counters``: shortest time between two requests for the worker's counters."""
 KILL_CHECK_S = 0.1
@@ -326,11 +329,15 @@ class DecoderClient:
         self._fail("decoder closed")
         proc, self._proc = self._proc, None
         if proc is not None:
+            loop = asyncio.get_running_loop()
             try:
-                await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, proc.wait), 10.0)
+                await asyncio.wait_for(loop.run_in_executor(None, proc.wait), _EXIT_WAIT_S)
             except TimeoutError:
                 proc.kill()
-                await asyncio.get_running_loop().run_in_executor(None, proc.wait)
+                try:  # a killed process in uninterruptible sleep is reaped whenever it leaves it
+                    await asyncio.wait_for(loop.run_in_executor(None, proc.wait), _EXIT_WAIT_S)
+                except TimeoutError:
+                    _log.error("decoder process %d not reaped %g s after SIGKILL", proc.pid, _EXIT_WAIT_S)
         self._out = None
         if self._mm is not None:
             with contextlib.suppress(BufferError):

@@ -247,7 +247,14 @@ class VllmCodeEngine:
         if self.shared is not None:
             if self.shared.control is not None and self._control_task is None:
                 self._control_task = asyncio.create_task(self._listen_to_launcher(), name="launcher messages")
-            await self._first_contact(self._llm)
+            try:
+                await self._first_contact(self._llm)
+            except BaseException:
+                # not left in place looking healthy: a request would wait for good on a core
+                # that never answered this client
+                await self._shutdown()
+                self._dead = "the shared engine core did not answer this client"
+                raise
         t1 = time.monotonic()
         if self._warmup:
             await self._warm()

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from engine.lifeline import descendants
-from tests.groupdiag import log_tail, spy_group
+from tests.groupdiag import log_tail, no_end_report, spy_group
 from tests.reliability.kill9 import free_port, health, kill9_and_check, restart_after_kill9
 from tests.reliability.mps_stub import logged_pids, mps_env, mps_root
 from tests.transcript import Transcript, fast_client, quiet_client
@@ -205,8 +205,8 @@ async def test_gateway_processes_share_one_engine_core_and_the_port(tiny_model_d
         fates = await asyncio.gather(*(_fate(t) for _, t in talking))
         if any(f not in (("ok", None), ("engine_unavailable", 1011)) for f in fates):
             # an answer with no end: where every process of the group is (py-spy), for the cause
-            stacks = await asyncio.to_thread(spy_group, proc.pid)
-            raise AssertionError(f"{fates}\n{log_tail(tmp_path / 'serve.log', 120)}\n{stacks}")
+            sids = [(c.session or {}).get("session_id") for c, _ in talking]
+            raise AssertionError(await asyncio.to_thread(no_end_report, fates, sids, tmp_path / "serve.log", proc.pid))
         assert ("engine_unavailable", 1011) in fates, fates  # answers were still being decoded
         healthy = await _allhealthy(port, 2, within_s=180)
         thealthy = time.monotonic() - t_kill
@@ -283,8 +283,8 @@ async def test_the_group_heals_when_one_of_its_engine_cores_dies(tiny_model_dir:
         fates = await asyncio.gather(*(_fate(t) for _, t in talking))
         if any(f not in (("ok", None), ("engine_unavailable", 1011)) for f in fates):
             # an answer with no end: where every process of the group is (py-spy), for the cause
-            stacks = await asyncio.to_thread(spy_group, proc.pid)
-            raise AssertionError(f"{fates}\n{log_tail(log, 120)}\n{stacks}")
+            sids = [(c.session or {}).get("session_id") for c, _ in talking]
+            raise AssertionError(await asyncio.to_thread(no_end_report, fates, sids, log, proc.pid))
         assert ("engine_unavailable", 1011) in fates or all(f == ("ok", None) for f in fates), fates
         # healthy again: both gateway processes answer 200, the launcher still runs
         healthy = await _allhealthy(port, 2, within_s=240)
@@ -328,6 +328,27 @@ def test_engine_core_restarts_are_bounded() -> None:
     assert [b.allow(t) for t in (0.0, 10.0, 20.0)] == [True, True, True]
     assert not b.allow(30.0)
     assert b.allow(611.0)  # the first one left the window
+
+
+def test_a_dead_engine_core_is_told_to_its_gateway_processes_even_when_the_group_stops() -> None:
+    """The launcher tells a dead engine core's gateway processes first (their streams on it fail
+    at once with ``engine_unavailable``), then replaces it; past the restart budget the group
+    stops, and they were told all the same (not left to the drain's 1012)."""
+    from types import SimpleNamespace
+
+    from voicegw.config import Config
+    from voicegw.group import RestartBudget, _Signals, _supervise
+
+    class Gone:
+        def is_alive(self) -> bool:
+            return False
+
+    dead_core: Any = SimpleNamespace(manager=SimpleNamespace(processes=[Gone()]))
+    told: list[int] = []
+    healed: list[int] = []
+    code = _supervise([], [dead_core], _Signals(), Config(), [], told.append, healed.append, lambda _: None,
+                      budget=RestartBudget(limit=0))
+    assert code == 1 and told == [0] and healed == []
 
 
 def test_automatic_settings_resolve_per_platform(tiny_model_dir: Path) -> None:
