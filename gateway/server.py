@@ -675,7 +675,13 @@ class _Connection:
                     sched.observe_segment(steps)
                     return
         except asyncio.CancelledError:
-            raise
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # this stream's own cancel (abort, disconnect, shutdown)
+            # a future cancelled under the engine, not this task: a failure the session must hear
+            # of, or the stream would stay "generating" with no error and no end
+            self.log.error("engine stream %s: cancelled inside the engine", rid)
+            self.dispatch(self.session.on_engine_error, rid, EngineFailure.RECOVERABLE)
         except EngineOverloaded as exc:
             self.log.warning("engine overloaded on %s: %s", rid, exc)
             self.dispatch(self.session.on_engine_error, rid, EngineFailure.OVERLOADED, exc.retry_after_ms)

@@ -11,7 +11,8 @@ double, and ``loadtest.serve --engine fake``).
   aborted nor been closed/cancelled: it must return to 0 after aborts and disconnects.
 * Failure injection: text containing ``fail_marker`` raises a recoverable EngineError after the
   first chunk; ``overload_marker`` raises EngineOverloaded before any audio; ``crash_marker``
-  raises an unrecoverable EngineError.
+  raises an unrecoverable EngineError; ``cancel_marker`` raises CancelledError from a future
+  cancelled under the stream (its task is not cancelled).
 
 ``SimBatchEngine``: a batch engine with vLLM's scheduling semantics (``--engine sim``).
 
@@ -182,6 +183,7 @@ class FakeSpeechEngine:
     fail_marker: str = "#FAIL#"
     overload_marker: str = "#OVERLOAD#"
     crash_marker: str = "#CRASH#"
+    cancel_marker: str = "#CANCELLED#"
     healthy: bool = True
     requests: list[SpeechRequest] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -228,6 +230,10 @@ class FakeSpeechEngine:
                 raise EngineOverloaded("fake overload")
             if self.crash_marker in request.text:
                 raise EngineError("fake crash", EngineErrorKind.UNRECOVERABLE)
+            if self.cancel_marker in request.text:  # a future cancelled under it, not its task
+                cancelled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                cancelled.cancel()
+                await cancelled
             total = self.expected_samples(request.text, rate)
             per_chunk = max(1, int(self.chunk_ms * rate / 1000.0))
             done = 0

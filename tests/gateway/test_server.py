@@ -511,6 +511,13 @@ async def test_engine_errors(fake_engine: FakeSpeechEngine, make_gateway: Gatewa
         assert (await t.wait_for("utterance.done"))["status"] == "error"
         c.speak("The session still works.")
         assert (await t.wait_for("utterance.done"))["status"] == "ok"
+        # a CancelledError from inside the engine (a future cancelled under it, not the stream's
+        # task) is an engine error, not a stream that silently stops
+        c.speak(f"Cancelled {fake_engine.cancel_marker} under the engine.")
+        assert (await t.wait_for("error"))["code"] == "engine_error"
+        assert (await t.wait_for("utterance.done"))["status"] == "error"
+        c.speak("The session still works after that.")
+        assert (await t.wait_for("utterance.done"))["status"] == "ok"
         c.speak(f"Engine {fake_engine.crash_marker} dies.")
         err = await t.wait_for("error")
         assert err["code"] == "engine_unavailable" and err["fatal"] is True
