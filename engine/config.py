@@ -117,10 +117,6 @@ class EngineConfig(Checked):
     The decoder still runs in the gateway process on the first GPU. 1: off."""
     max_model_len: int = 2048
     """vLLM max sequence length (prompt + steps)."""
-    admit_interval_ms: float = 0.0
-    """vLLM: under load (32 or more requests in the engine), new requests wait for the next tick of
-    this period on a clock shared by the gateway processes, so that arrivals are prefilled together
-    in fewer mixed steps and the steps between run decode-only batches. 0: submit at once."""
     restart_on_crash: bool = True
     """Restart the code engine (a new vLLM engine core, warm-up included) or the decoder process
     when it dies, without restarting the gateway; /healthz is 503 and requests fail
@@ -200,8 +196,6 @@ class EngineConfig(Checked):
             self._fail(name, f"must be >= 0, got {value!r}")
         if name == "decoder_device" and not re.fullmatch(r"|cpu|cuda(:\d+)?", value):
             self._fail(name, f"expected '', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
-        if name == "admit_interval_ms" and not 0 <= value <= 1000:
-            self._fail(name, f"must be in 0..1000 (0 = off), got {value!r}")
         if name == "data_parallel_size" and value < 1:
             self._fail(name, f"must be >= 1, got {value!r}")
 

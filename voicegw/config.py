@@ -64,7 +64,6 @@ GPU_DEFAULTS: dict[str, Any] = {
     "engine.max_num_seqs": 512,
     "engine.max_num_batched_tokens": 8192,
     "engine.decoder_max_batch": 256,
-    "engine.admit_interval_ms": 50.0,
     "engine.decoder_dtype": "float16",
     "engine.decoder_compile": True,
     "gateway.engine_cores": 2,
@@ -72,9 +71,9 @@ GPU_DEFAULTS: dict[str, Any] = {
 }
 """The defaults that differ when ``voicegw serve`` runs ChatTTS on vLLM on a CUDA GPU (the field
 defaults are the CPU ones): compiled with CUDA graphs, hundreds of sequences per batch, the decoder's
-largest bucket 256 rows, its forward compiled and in float16, arrivals under load admitted on a 50 ms
-tick, two engine cores sharing the GPU under CUDA MPS (bench/RESULTS.md says which of these each GPU figure was measured with). ``gateway.engine_cores`` stays 1
-where the group cannot be split in two: ``gateway.port`` 0 (one process) or an explicit odd
+largest bucket 256 rows, its forward compiled and in float16, two engine cores sharing the GPU
+under CUDA MPS (bench/RESULTS.md says which of these each GPU figure was measured with).
+``gateway.engine_cores`` stays 1 where the group cannot be split in two: ``gateway.port`` 0 (one process) or an explicit odd
 ``gateway.processes``; the decoder's dtype and compile stay the CPU ones when ``engine.decoder_device``
 puts the decoder on the CPU."""
 

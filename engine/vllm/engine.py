@@ -118,8 +118,6 @@ _FIRST_CONTACT_S = 120.0
 #: A client of a shared engine core that died: how long ``restart`` waits for the launcher's
 #: replacement (its engine core's start included).
 _NEW_CORE_WAIT_S = 600.0
-#: ``_admission_tick``: requests in the engine core from which new ones wait for the next tick.
-_TICK_MIN_RUNNING = 32
 
 
 class _PrefixComplete(EngineError):
@@ -675,13 +673,7 @@ class VllmCodeEngine:
             raise
         k = 0 if request.prefix_codes is None else len(request.prefix_codes)
         t_submit = time.monotonic()
-        try:
-            await self._admission_tick()
-        except BaseException:
-            self._set_live(rid, None)
-            table.release(slot)
-            raise
-        if live.aborted:  # aborted while it waited for the tick: never reaches vLLM
+        if live.aborted:  # aborted while it waited for a frame-table slot: never reaches vLLM
             self._set_live(rid, None)
             table.release(slot)
             yield CodeFrames(request_id=rid, codes=np.zeros((0, self.info.num_vq), dtype=np.int64),
@@ -752,17 +744,6 @@ class VllmCodeEngine:
                 await stream.aclose()  # aborts in vLLM when we stopped early
             finally:
                 table.release(slot)
-
-    async def _admission_tick(self) -> None:
-        """Under load (``_TICK_MIN_RUNNING`` requests or more in the engine core), hold a new
-        request until the next multiple of ``engine.admit_interval_ms`` on the host's monotonic
-        clock, which every front end of a shared engine core reads alike: requests that arrive
-        between two ticks reach vLLM together and are prefilled in one mixed step, and the steps
-        between ticks run decode-only batches. Light load, or an interval of 0: at once."""
-        period_s = self.cfg.admit_interval_ms / 1000.0
-        if period_s <= 0 or self.running_requests() < _TICK_MIN_RUNNING:
-            return
-        await asyncio.sleep(period_s - time.monotonic() % period_s)
 
     async def abort(self, request_id: str) -> None:
         live = self._live.get(request_id)
