@@ -462,7 +462,8 @@ class _Connection:
         else:
             self.log.info("connected from %s", peer)
         writer = asyncio.create_task(self._writer())
-        self._rearm_timer(self.loop.time())  # the idle timer runs from the handshake, not from the first message
+        # the idle timer runs from the handshake, not from the first message
+        self._rearm_timer(self.loop.time())
         try:
             async for message in self.ws:
                 if isinstance(message, bytes | bytearray | memoryview):
@@ -556,11 +557,11 @@ class _Connection:
     def _apply(self, actions: list[Action], now: float) -> None:
         for a in actions:
             if isinstance(a, SendAudio):
-                self._enqueue(_Out(a.data, None, a.ttfa, a.utterance_id))
+                self._enqueue(_Out(a.data, None, a.ttfa, a.utterance_id), now)
                 self.metrics.audio_sent.inc(a.samples / self.session.rate_hz)
                 self.metrics.frames_sent.inc()
             elif isinstance(a, SendMessage):
-                self._enqueue(_Out(P.encode_server(a.message), a.message))
+                self._enqueue(_Out(P.encode_server(a.message), a.message), now)
             elif isinstance(a, StartStream):
                 self._start_stream(a.request, a.first)
             elif isinstance(a, AbortStream):
@@ -573,19 +574,19 @@ class _Connection:
             self._sync_gates(now)
             self._rearm_timer(now)
 
-    def _enqueue(self, item: _Out) -> None:
+    def _enqueue(self, item: _Out, now: float) -> None:
+        """Queue ``item`` for the writer, as of the event's instant ``now``."""
         if self.close_req is not None:
             return
         self.outbound.append(item)
         self.out_bytes += len(item.data)
         self.out_ready.set()
         if self.marks.update(self.out_bytes) is True:
-            self.session.on_send_buffer(self.loop.time(), True)
+            self.session.on_send_buffer(now, True)  # congested: no actions
         if self.out_bytes > self.hard_cap_bytes:
             self.log.warning("outbound over %d bytes: slow reader", self.hard_cap_bytes)
             self.outbound.clear()
             self.out_bytes = 0
-            now = self.loop.time()
             self._apply(self.session.on_slow_reader(now), now)
 
     def _sync_gates(self, now: float) -> None:

@@ -73,9 +73,9 @@ GPU_DEFAULTS: dict[str, Any] = {
 defaults are the CPU ones): compiled with CUDA graphs, hundreds of sequences per batch, the decoder's
 largest bucket 256 rows, its forward compiled and in float16, two engine cores sharing the GPU
 under CUDA MPS (bench/RESULTS.md says which of these each GPU figure was measured with).
-``gateway.engine_cores`` stays 1 where the group cannot be split in two: ``gateway.port`` 0 (one process) or an explicit odd
-``gateway.processes``; the decoder's dtype and compile stay the CPU ones when ``engine.decoder_device``
-puts the decoder on the CPU."""
+``gateway.engine_cores`` stays 1 where the group cannot be split in two: ``gateway.port`` 0 (one
+process) or an explicit odd ``gateway.processes``; the decoder's dtype and compile stay the CPU ones
+when ``engine.decoder_device`` puts the decoder on the CPU."""
 
 _DECODER_GPU_KEYS = frozenset({"engine.decoder_dtype", "engine.decoder_compile"})
 
